@@ -1,0 +1,3 @@
+from streamtrain.cli import main
+
+raise SystemExit(main())

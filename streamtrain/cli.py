@@ -1,0 +1,139 @@
+"""``streamtrain``: a thin command line over the stages. Each command's --help says what it does."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+from streamtrain.config import PACKAGE_ROOT, ConfigError
+
+DEFAULT_SCHEMA = PACKAGE_ROOT / "schemas" / "click_event.avsc"
+
+
+# Messages the pinned torchrec and fbgemm print on every start that ask nothing of the operator.
+_LIBRARY_NOISE = (
+    "Sharding spec not found for",
+    "caching params will be ignored",
+    "The topology was constructed directly",
+    "known issue with TorchRec's dense tensor size",
+)
+
+
+def _setup_logging(verbose: bool = False) -> None:
+    # fbgemm and torchrec log every table at INFO on the root logger; keep them to warnings.
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("streamtrain").setLevel(logging.DEBUG if verbose else logging.INFO)
+    if not verbose:
+        for handler in logging.getLogger().handlers:
+            handler.addFilter(lambda record: not any(n in record.getMessage() for n in _LIBRARY_NOISE))
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torchrec\.")
+        warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"fbgemm_gpu\.")
+        # fbgemm's CPU lookup for data-parallel tables lacks an autograd registration; the tables
+        # are still updated (tests/test_train.py checks it), so the warning only alarms.
+        warnings.filterwarnings("ignore", message=r".*dense_embedding_codegen_lookup_function.*")
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from streamtrain.config import load_config
+    from streamtrain.worker import run_worker
+
+    config = load_config(args.config)
+    return run_worker(config, until_end=args.until_end, max_events=args.max_events)
+
+
+def _produce(args: argparse.Namespace) -> int:
+    from streamtrain.produce import produce
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    produce(args.bootstrap_servers, args.topic, args.count, partitions=args.partitions, seed=args.seed,
+            rate=args.rate, schema_path=args.schema, start_time_ms=args.start_time_ms,
+            progress=lambda line: print(line, file=sys.stderr, flush=True), should_stop=stop.is_set)
+    return 0
+
+
+def _dev_kafka(args: argparse.Namespace) -> int:
+    from streamtrain.devkafka import KafkaBroker
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    with KafkaBroker(port=args.port) as broker:
+        for topic in args.topic:
+            broker.create_topic(topic, args.partitions)
+        print(f"Kafka {broker.bootstrap_servers} is up (log: {broker.log_path}); Ctrl-C stops it", flush=True)
+        stop.wait()
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from streamtrain.demo import run_demo
+
+    return run_demo(metrics_port=args.metrics_port, rate=args.rate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamtrain",
+        description="Train TorchRec recommendation models continuously from Kafka click streams.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    worker = commands.add_parser(
+        "worker", help="consume, decode and train; serve Prometheus metrics",
+        description="Run one training worker. Under torchrun, each rank runs this command. Every config "
+                    "field can be overridden with STREAMTRAIN_<SECTION>__<FIELD> environment variables.")
+    worker.add_argument("--config", required=True, type=Path, help="the worker's YAML config (see deploy/worker.yaml)")
+    bound = worker.add_mutually_exclusive_group()
+    bound.add_argument("--until-end", action="store_true",
+                       help="train up to the end offsets seen at start-up, then exit 0")
+    bound.add_argument("--max-events", type=int, metavar="N", help="train N events, then exit 0")
+    worker.set_defaults(run=_worker)
+
+    produce = commands.add_parser(
+        "produce", help="write a synthetic click stream with a planted signal to a topic",
+        description="Write synthetic Taobao-like click events (schemaless Avro) whose labels follow a hidden "
+                    "logistic model, then print the stream's Bayes-optimal AUC.")
+    produce.add_argument("--bootstrap-servers", default="127.0.0.1:9092")
+    produce.add_argument("--topic", default="clicks")
+    produce.add_argument("--count", type=int, default=100_000, help="events to write (default 100,000)")
+    produce.add_argument("--rate", type=float, default=None, help="events per second (default: as fast as possible)")
+    produce.add_argument("--partitions", type=int, default=4, help="partitions, if the topic is created (default 4)")
+    produce.add_argument("--seed", type=int, default=0, help="the same seed writes the same events")
+    produce.add_argument("--start-time-ms", type=int, default=None, help="event time of the first event (default: now)")
+    produce.add_argument("--schema", type=Path, default=DEFAULT_SCHEMA)
+    produce.set_defaults(run=_produce)
+
+    dev_kafka = commands.add_parser(
+        "dev-kafka", help="run a local single-node Apache Kafka broker (KRaft) until Ctrl-C",
+        description="Start a throwaway Kafka broker from the jars `make setup` fetched, on 127.0.0.1.")
+    dev_kafka.add_argument("--port", type=int, default=9092)
+    dev_kafka.add_argument("--topic", action="append", default=[], help="create this topic (repeatable)")
+    dev_kafka.add_argument("--partitions", type=int, default=4)
+    dev_kafka.set_defaults(run=_dev_kafka)
+
+    demo = commands.add_parser(
+        "demo", help="local Kafka + synthetic stream + a worker training on it, until Ctrl-C",
+        description="Start a local broker, create a 4-partition topic, produce a synthetic click stream and "
+                    "train on it, printing throughput and loss; metrics on http://127.0.0.1:PORT/metrics.")
+    demo.add_argument("--metrics-port", type=int, default=9100)
+    demo.add_argument("--rate", type=float, default=20_000, help="events per second produced (default 20,000)")
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    try:
+        return args.run(args)
+    except ConfigError as error:
+        print(f"streamtrain: {error}", file=sys.stderr)
+        return 2

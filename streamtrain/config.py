@@ -1,0 +1,238 @@
+"""The worker's configuration: YAML on disk, STREAMTRAIN_* environment overrides, validated at the edge.
+
+Every field can be overridden from the environment: the variable name is ``STREAMTRAIN_`` plus the
+field's path joined by ``__``, e.g. ``STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS=broker:9092`` or
+``STREAMTRAIN_FEATURES__TABLES__0__NUM_EMBEDDINGS=500000``. Values are parsed as YAML scalars or
+flow collections, so ``[64, 16]`` and ``true`` work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from streamtrain.schema import ID_KINDS, NUMBER_KINDS, field_kind, load_schema
+
+ENV_PREFIX = "STREAMTRAIN_"
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message names each bad field and how to fix it."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KafkaConfig(_Strict):
+    bootstrap_servers: str = Field(min_length=1)
+    topic: str = Field(min_length=1)
+    group_id: str = "streamtrain"
+    # Extra librdkafka properties, e.g. security.protocol or sasl.mechanism.
+    client_config: dict[str, str] = {}
+    # librdkafka properties whose values are read from files, so secrets such as sasl.password
+    # never sit in the YAML or in logs.
+    client_config_files: dict[str, Path] = {}
+    poll_timeout_ms: int = Field(default=100, gt=0, le=10_000)
+
+    @field_validator("client_config")
+    @classmethod
+    def _no_inline_secrets(cls, value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if "password" in key or key.endswith(".key.pem") or "secret" in key:
+                raise ValueError(
+                    f"{key!r} is a secret: put it in a file and name it under "
+                    f"kafka.client_config_files instead"
+                )
+        return value
+
+    def librdkafka(self) -> dict[str, str]:
+        """The client properties, secrets included; never log the result."""
+        props = {"bootstrap.servers": self.bootstrap_servers, **self.client_config}
+        for key, path in self.client_config_files.items():
+            props[key] = Path(path).read_text().strip()
+        return props
+
+
+class TableConfig(_Strict):
+    name: str = Field(min_length=1)
+    field: str = Field(min_length=1, description="the schema field holding this feature's ids")
+    num_embeddings: int = Field(gt=0)
+    embedding_dim: int = Field(gt=0)
+    pooling: Literal["sum", "mean"] = "sum"
+    # modulo keeps small integer ids readable in the table; hash spreads large or structured ids.
+    # String ids are always hashed.
+    id_mapping: Literal["modulo", "hash"] = "modulo"
+
+
+class DenseFeature(_Strict):
+    field: str = Field(min_length=1)
+    transform: Literal["none", "log1p"] = "none"
+
+
+class FeaturesConfig(_Strict):
+    schema_path: Path = Path("schemas/click_event.avsc")
+    tables: list[TableConfig] = Field(min_length=1)
+    dense: list[DenseFeature] = Field(min_length=1)
+    label: str = "clk"
+    event_time: str = "event_time"
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "FeaturesConfig":
+        names = [t.name for t in self.tables]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"table names must be unique; repeated: {duplicated}")
+        return self
+
+    def resolved_schema_path(self) -> Path:
+        path = Path(self.schema_path)
+        return path if path.is_absolute() or path.exists() else PACKAGE_ROOT / path
+
+
+class ModelConfig(_Strict):
+    dense_arch_layer_sizes: list[int] = [64, 16]
+    over_arch_layer_sizes: list[int] = [64, 32, 1]
+    sparse_optimizer: Literal["row_wise_adagrad", "adagrad", "sgd"] = "row_wise_adagrad"
+    sparse_learning_rate: float = Field(default=0.05, gt=0)
+    dense_learning_rate: float = Field(default=0.001, gt=0)
+    seed: int = 0
+
+    @field_validator("over_arch_layer_sizes")
+    @classmethod
+    def _ends_in_one_logit(cls, value: list[int]) -> list[int]:
+        if len(value) < 2 or value[-1] != 1:
+            raise ValueError("needs at least two layers and must end in 1 (the click logit), e.g. [64, 32, 1]")
+        return value
+
+
+class BatchingConfig(_Strict):
+    batch_size: int = Field(default=1024, gt=0, le=1_000_000)
+    # A quiet stream still trains promptly: a batch holding at least one event is cut after this.
+    max_batch_wait_ms: int = Field(default=200, gt=0, le=600_000)
+    queue_size: int = Field(default=4, gt=0, le=1024)
+
+
+class MetricsConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(default=9100, ge=0, le=65535)
+    log_interval_seconds: float = Field(default=5.0, gt=0)
+    auc_window: int = Field(default=100_000, gt=0)
+
+
+class WorkerConfig(_Strict):
+    kafka: KafkaConfig
+    features: FeaturesConfig
+    model: ModelConfig = ModelConfig()
+    batching: BatchingConfig = BatchingConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @model_validator(mode="after")
+    def _dlrm_shapes(self) -> "WorkerConfig":
+        dims = {t.embedding_dim for t in self.features.tables}
+        if len(dims) > 1:
+            raise ValueError(
+                f"features.tables: DLRM's interaction needs one embedding_dim for all tables, got {sorted(dims)}"
+            )
+        if self.model.dense_arch_layer_sizes[-1] != dims.pop():
+            raise ValueError(
+                "model.dense_arch_layer_sizes: the last size must equal the tables' embedding_dim "
+                "so the dense vector can interact with the embeddings"
+            )
+        return self
+
+
+def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """Return a copy of ``raw`` with every STREAMTRAIN_A__B__C variable written to raw[a][b][c]."""
+    merged = json.loads(json.dumps(raw, default=str))
+    for name, value in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX):
+            continue
+        path = name[len(ENV_PREFIX):].lower().split("__")
+        node: Any = merged
+        for i, key in enumerate(path):
+            last = i == len(path) - 1
+            if isinstance(node, list):
+                if not key.isdigit() or int(key) >= len(node):
+                    raise ConfigError(f"{name}: {key!r} is not an index of a list of {len(node)} items")
+                key = int(key)
+            elif not isinstance(node, dict):
+                raise ConfigError(f"{name}: {'.'.join(path[:i])} is not a section")
+            if last:
+                node[key] = yaml.safe_load(value) if value else value
+            else:
+                if isinstance(node, dict) and key not in node:
+                    node[key] = {}
+                node = node[key]
+    return merged
+
+
+def _format_errors(error: ValidationError) -> str:
+    lines = []
+    for problem in error.errors():
+        where = ".".join(str(p) for p in problem["loc"]) or "(top level)"
+        env = ENV_PREFIX + "__".join(str(p).upper() for p in problem["loc"])
+        message = problem["msg"].removeprefix("Value error, ")
+        if problem["type"] == "extra_forbidden":
+            message = "unknown field; check its spelling against the README's configuration reference"
+        elif problem["type"] == "missing":
+            message = f"required; set it in the YAML file or with {env}"
+        lines.append(f"  {where}: {message}")
+    return "invalid worker configuration:\n" + "\n".join(lines)
+
+
+def parse_config(raw: dict[str, Any], environ: Mapping[str, str] | None = None) -> WorkerConfig:
+    merged = apply_env_overrides(raw, os.environ if environ is None else environ)
+    try:
+        config = WorkerConfig.model_validate(merged)
+    except ValidationError as error:
+        raise ConfigError(_format_errors(error)) from None
+    _check_against_schema(config.features)
+    return config
+
+
+def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> WorkerConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {path} is not valid YAML: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of sections (kafka, features, ...)")
+    return parse_config(raw, environ)
+
+
+def _check_against_schema(features: FeaturesConfig) -> None:
+    """Every configured field must exist in the Avro schema with a type its role can use."""
+
+    path = features.resolved_schema_path()
+    try:
+        schema = load_schema(path)
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"features.schema_path: cannot read {path}: {error}") from None
+    problems = []
+
+    def check(where: str, field: str, allowed: set[str]) -> None:
+        kind = field_kind(schema, field)
+        if kind is None:
+            known = ", ".join(f["name"] for f in schema["fields"])
+            problems.append(f"  {where}: {field!r} is not a field of {schema['name']}; fields are: {known}")
+        elif kind not in allowed:
+            problems.append(f"  {where}: field {field!r} is {kind}, expected one of {sorted(allowed)}")
+
+    for i, table in enumerate(features.tables):
+        check(f"features.tables.{i}.field", table.field, ID_KINDS)
+    for i, dense in enumerate(features.dense):
+        check(f"features.dense.{i}.field", dense.field, NUMBER_KINDS)
+    check("features.label", features.label, NUMBER_KINDS)
+    check("features.event_time", features.event_time, {"integer"})
+    if problems:
+        raise ConfigError("invalid worker configuration:\n" + "\n".join(problems))

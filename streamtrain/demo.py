@@ -1,0 +1,51 @@
+"""``make demo``: a real local Kafka, a synthetic click stream, and a worker training on it."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+
+import yaml
+
+from streamtrain.config import PACKAGE_ROOT, parse_config
+from streamtrain.devkafka import KafkaBroker
+from streamtrain.worker import run_worker
+
+log = logging.getLogger(__name__)
+
+TOPIC = "clicks"
+PARTITIONS = 4
+BACKLOG_EVENTS = 200_000
+LIVE_EVENTS = 20_000_000  # bounds the demo's producer; at 20,000/s that is over 16 minutes
+
+
+def run_demo(metrics_port: int = 9100, rate: float = 20_000) -> int:
+    with KafkaBroker() as broker:
+        broker.create_topic(TOPIC, PARTITIONS)
+        log.info("Kafka %s is up; topic %r has %d partitions", broker.bootstrap_servers, TOPIC, PARTITIONS)
+        produce = [sys.executable, "-m", "streamtrain", "produce", "--bootstrap-servers", broker.bootstrap_servers,
+                   "--topic", TOPIC]
+        # A backlog first, so the worker shows its full speed, then a live stream at ``rate``.
+        script = (f"{_quote(produce)} --count {BACKLOG_EVENTS} --seed 1 && "
+                  f"exec {_quote(produce)} --count {LIVE_EVENTS} --rate {rate} --seed 2")
+        producer = subprocess.Popen(["bash", "-c", script], cwd=PACKAGE_ROOT, start_new_session=True)
+        raw = yaml.safe_load((PACKAGE_ROOT / "deploy" / "worker.yaml").read_text())
+        raw["kafka"]["bootstrap_servers"] = broker.bootstrap_servers
+        raw["metrics"]["port"] = metrics_port
+        config = parse_config(raw)
+        try:
+            return run_worker(config)
+        finally:
+            os.killpg(producer.pid, signal.SIGTERM)
+            try:
+                producer.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(producer.pid, signal.SIGKILL)
+
+
+def _quote(argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)

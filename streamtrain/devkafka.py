@@ -1,0 +1,186 @@
+"""A throwaway single-node Apache Kafka broker (KRaft) for tests, benchmarks and the demo.
+
+It runs the real broker from the jars that ``make setup`` copies out of Maven Central, on
+127.0.0.1 and free ports, with a fresh log dir. The JVM dies with its parent: it is stopped on
+``close()``, at interpreter exit, and by the kernel (PR_SET_PDEATHSIG) if the parent is killed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from confluent_kafka.admin import AdminClient, NewTopic
+
+from streamtrain.config import PACKAGE_ROOT
+
+KAFKA_VERSION = "4.1.1"
+DEFAULT_LIBS = PACKAGE_ROOT / ".cache" / "kafka" / KAFKA_VERSION / "libs"
+
+_LOG4J2 = """\
+rootLogger.level = INFO
+rootLogger.appenderRef.file.ref = FILE
+appender.file.type = File
+appender.file.name = FILE
+appender.file.fileName = {log}
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+"""
+
+
+class BrokerError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class KafkaBroker:
+    """``with KafkaBroker() as broker: broker.bootstrap_servers`` -> '127.0.0.1:<port>'."""
+
+    def __init__(self, libs: Path | None = None, port: int | None = None, start_timeout: float = 90.0):
+        self.libs = Path(libs or os.environ.get("STREAMTRAIN_KAFKA_LIBS") or DEFAULT_LIBS)
+        self.port = port or free_port()
+        self.controller_port = free_port()
+        self.start_timeout = start_timeout
+        self.workdir = Path(tempfile.mkdtemp(prefix="streamtrain-kafka-"))
+        self.log_path = self.workdir / "server.log"
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def __enter__(self) -> "KafkaBroker":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _java(self, main_class: str, *args: str) -> list[str]:
+        return [
+            "java", "-Xms256m", "-Xmx512m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
+            f"-Dlog4j2.configurationFile={self.workdir / 'log4j2.properties'}",
+            "-cp", f"{self.libs}/*", main_class, *args,
+        ]
+
+    def start(self) -> None:
+        if not any(self.libs.glob("kafka_2.13-*.jar")):
+            raise BrokerError(f"no Kafka jars in {self.libs}; run `make setup` (it fetches them with mvn)")
+        (self.workdir / "log4j2.properties").write_text(_LOG4J2.format(log=self.log_path))
+        properties = self.workdir / "server.properties"
+        properties.write_text("\n".join([
+            "process.roles=broker,controller",
+            "node.id=1",
+            f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
+            f"listeners=PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
+            f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}",
+            "controller.listener.names=CONTROLLER",
+            "inter.broker.listener.name=PLAINTEXT",
+            "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            f"log.dirs={self.workdir / 'data'}",
+            "num.partitions=1",
+            "offsets.topic.replication.factor=1",
+            "offsets.topic.num.partitions=1",
+            "transaction.state.log.replication.factor=1",
+            "transaction.state.log.min.isr=1",
+            "share.coordinator.state.topic.replication.factor=1",
+            "share.coordinator.state.topic.min.isr=1",
+            "group.initial.rebalance.delay.ms=0",
+            "group.min.session.timeout.ms=1000",
+            "log.cleaner.dedupe.buffer.size=8388608",
+            "auto.create.topics.enable=false",
+            "",
+        ]))
+        # The cluster id is 16 random bytes, URL-safe base64 without padding, not starting with '-'.
+        cluster_id = "A" + base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")[1:]
+        formatted = subprocess.run(
+            self._java("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(properties), "-g"),
+            capture_output=True, text=True, timeout=120,
+        )
+        if formatted.returncode != 0:
+            raise BrokerError(f"formatting Kafka storage failed:\n{formatted.stdout}\n{formatted.stderr}")
+        stdout = open(self.workdir / "stdout.log", "wb")
+        self._process = subprocess.Popen(
+            self._java("kafka.Kafka", str(properties)),
+            stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent, start_new_session=True,
+        )
+        stdout.close()
+        atexit.register(self.close)
+        self._wait_until_ready()
+
+    def _wait_until_ready(self) -> None:
+        # Connection refusals are expected until the listener is up; keep them out of the output.
+        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "broker.address.family": "v4",
+                             "log_level": 0})
+        deadline = time.monotonic() + self.start_timeout
+        last_error: Exception | None = None
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise BrokerError(f"the Kafka broker exited with {self._process.returncode}:\n{self.log_tail()}")
+            try:
+                admin.list_topics(timeout=2)
+                return
+            except Exception as error:  # librdkafka raises KafkaException until the listener is up
+                last_error = error
+                time.sleep(0.25)
+        self.close()
+        raise BrokerError(
+            f"the Kafka broker did not answer within {self.start_timeout:.0f}s ({last_error}):\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = ""
+        for path in (self.workdir / "stdout.log", self.log_path):
+            if path.exists():
+                text += "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) + "\n"
+        return text
+
+    def create_topic(self, topic: str, partitions: int, timeout: float = 30.0) -> None:
+        create_topic(self.bootstrap_servers, topic, partitions, timeout)
+
+    def close(self) -> None:
+        process, self._process = self._process, None
+        if process is not None and process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait(timeout=10)
+        if self.workdir.exists() and process is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def create_topic(bootstrap_servers: str, topic: str, partitions: int, timeout: float = 30.0) -> bool:
+    """Create ``topic`` with ``partitions`` partitions; False if it already existed."""
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers, "broker.address.family": "v4", "log_level": 4})
+    future = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=-1)],
+                                 operation_timeout=timeout, request_timeout=timeout)[topic]
+    try:
+        future.result(timeout=timeout)
+        return True
+    except Exception as error:
+        if "TOPIC_ALREADY_EXISTS" in str(error):
+            return False
+        raise

@@ -1,0 +1,252 @@
+"""A synthetic Taobao-like click stream with a planted signal, and a tool that writes it to Kafka.
+
+Labels are drawn from a fixed hidden logistic model, so a model that learns can beat AUC 0.5 by a
+wide margin, and the stream knows its own Bayes-optimal AUC: the AUC of the true click
+probabilities against the drawn labels. Ids follow Zipf-like frequencies, as real traffic does.
+An ad's category, campaign, advertiser, brand and price are fixed per ad group, and a user's
+profile is fixed per user, so the stream is consistent the way a click log is.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import fastavro
+import numpy as np
+
+from streamtrain.metrics import roc_auc
+from streamtrain.schema import load_schema
+
+CARDINALITY = {
+    "user_id": 1_141_730,
+    "adgroup_id": 846_812,
+    "cate_id": 12_961,
+    "campaign_id": 423_438,
+    "customer": 255_877,
+    "brand": 461_498,
+}
+PIDS = ("430548_1007", "430539_1007")
+ZIPF_EXPONENT = 1.05
+MAX_RECENT_CATES = 10
+BRAND_MISSING_RATE = 0.25
+
+
+def _zipf_sampler(rng: np.random.Generator, n: int) -> Callable[[int], np.ndarray]:
+    """Draws ids in [0, n) with P(rank k) proportional to 1/(k+1)^s, ranks shuffled over ids."""
+    cdf = np.cumsum(1.0 / np.arange(1, n + 1) ** ZIPF_EXPONENT)
+    cdf /= cdf[-1]
+    id_of_rank = rng.permutation(n)
+    return lambda size: id_of_rank[np.minimum(np.searchsorted(cdf, rng.random(size)), n - 1)]
+
+
+@dataclass
+class EventChunk:
+    records: list[dict]
+    click_probability: np.ndarray
+    keys: list[bytes]
+
+
+class ClickStream:
+    """Deterministic given (seed, start_time_ms): the same events, in the same order."""
+
+    def __init__(self, seed: int = 0, start_time_ms: int | None = None, events_per_second: float | None = None):
+        self.rng = np.random.default_rng(seed)
+        self.start_time_ms = int(time.time() * 1000) if start_time_ms is None else start_time_ms
+        self.events_per_second = events_per_second
+        self.emitted = 0
+        rng = self.rng
+        self.draw = {name: _zipf_sampler(rng, n) for name, n in CARDINALITY.items()}
+        n_ads, n_users = CARDINALITY["adgroup_id"], CARDINALITY["user_id"]
+        # What an ad is: fixed attributes per ad group.
+        self.ad_cate = self.draw["cate_id"](n_ads)
+        self.ad_campaign = self.draw["campaign_id"](n_ads)
+        self.ad_customer = self.draw["customer"](n_ads)
+        self.ad_brand = np.where(rng.random(n_ads) < BRAND_MISSING_RATE, -1, self.draw["brand"](n_ads))
+        self.ad_price = np.round(np.exp(rng.normal(4.0, 1.2, n_ads)), 2).astype(np.float32)
+        # Who a user is: a fixed profile per user.
+        self.user_profile = {
+            "cms_segid": rng.integers(0, 98, n_users, dtype=np.int8),
+            "cms_group_id": rng.integers(0, 13, n_users, dtype=np.int8),
+            "final_gender_code": rng.integers(1, 3, n_users, dtype=np.int8),
+            "age_level": rng.integers(0, 7, n_users, dtype=np.int8),
+            "pvalue_level": rng.integers(0, 4, n_users, dtype=np.int8),
+            "shopping_level": rng.integers(1, 4, n_users, dtype=np.int8),
+            "occupation": rng.integers(0, 2, n_users, dtype=np.int8),
+            "new_user_class_level": rng.integers(0, 5, n_users, dtype=np.int8),
+        }
+        # The hidden model. Its effects sit on features a model can learn from a short stream.
+        self.w_cate = rng.normal(0.0, 0.9, CARDINALITY["cate_id"])
+        self.w_age = rng.normal(0.0, 0.5, 7)
+        self.w_shopping = np.array([0.0, -0.4, 0.0, 0.5])
+        self.w_pid = np.array([0.35, -0.35])
+        self.w_gender = np.array([0.0, 0.25, -0.25])
+        self.w_log_price = -0.35
+        self.w_recent_match = 1.3
+        self.bias = -1.6
+        self.w_buy_bias = -2.0
+
+    def chunk(self, size: int) -> EventChunk:
+        rng = self.rng
+        users = self.draw["user_id"](size)
+        ads = self.draw["adgroup_id"](size)
+        pid_index = rng.integers(0, len(PIDS), size)
+        cate = self.ad_cate[ads]
+        price = self.ad_price[ads]
+        n_recent = rng.integers(0, MAX_RECENT_CATES + 1, size)
+        recent_flat = self.draw["cate_id"](int(n_recent.sum()))
+        # A third of the users with history have recently clicked this ad's category.
+        planted = (rng.random(size) < 1 / 3) & (n_recent > 0)
+        starts = np.concatenate([[0], np.cumsum(n_recent)[:-1]])
+        recent_flat[starts[planted]] = cate[planted]
+        recent_match = np.zeros(size, dtype=bool)
+        np.logical_or.at(recent_match, np.repeat(np.arange(size), n_recent),
+                         recent_flat == np.repeat(cate, n_recent))
+        profile = {name: values[users] for name, values in self.user_profile.items()}
+        logit = (
+            self.bias
+            + self.w_cate[cate]
+            + self.w_age[profile["age_level"]]
+            + self.w_shopping[profile["shopping_level"]]
+            + self.w_gender[profile["final_gender_code"]]
+            + self.w_pid[pid_index]
+            + self.w_log_price * (np.log1p(price) - 4.0)
+            + self.w_recent_match * recent_match
+        )
+        p_click = 1.0 / (1.0 + np.exp(-logit))
+        clk = (rng.random(size) < p_click).astype(np.int64)
+        buy = clk * (rng.random(size) < 1.0 / (1.0 + np.exp(-(self.w_buy_bias + 0.5 * logit))))
+        if self.events_per_second:
+            index = self.emitted + np.arange(size)
+            event_time = self.start_time_ms + (index * 1000 / self.events_per_second).astype(np.int64)
+        else:
+            event_time = np.full(size, self.start_time_ms, dtype=np.int64)
+        self.emitted += size
+
+        recent = np.split(recent_flat, np.cumsum(n_recent)[:-1])
+        brand = self.ad_brand[ads]
+        records = []
+        for i in range(size):
+            records.append({
+                "event_time": int(event_time[i]),
+                "user_id": int(users[i]),
+                "adgroup_id": int(ads[i]),
+                "cate_id": int(cate[i]),
+                "campaign_id": int(self.ad_campaign[ads[i]]),
+                "customer": int(self.ad_customer[ads[i]]),
+                "brand": None if brand[i] < 0 else int(brand[i]),
+                **{name: int(values[i]) for name, values in profile.items()},
+                "pid": PIDS[pid_index[i]],
+                "recent_cate_ids": recent[i].tolist(),
+                "price": float(price[i]),
+                "clk": int(clk[i]),
+                "buy": int(buy[i]),
+            })
+        keys = [b"%d" % u for u in users]
+        return EventChunk(records, p_click, keys)
+
+
+class AvroEncoder:
+    """Schemaless Avro bodies for one schema (the worker's ``serialization: raw`` format)."""
+
+    def __init__(self, schema_path: Path):
+        self.schema = fastavro.parse_schema(load_schema(schema_path))
+
+    def encode(self, record: dict) -> bytes:
+        out = io.BytesIO()
+        fastavro.schemaless_writer(out, self.schema, record)
+        return out.getvalue()
+
+
+def encoded_events(stream: ClickStream, encoder: AvroEncoder, count: int,
+                   chunk_size: int = 4096) -> Iterator[tuple[bytes, bytes, float, int]]:
+    """(key, value, true click probability, clk) for ``count`` events.
+
+    Chunks are always ``chunk_size`` long, so the first N events of a seed never depend on ``count``.
+    """
+    remaining = count
+    while remaining > 0:
+        chunk = stream.chunk(chunk_size)
+        for key, record, p in list(zip(chunk.keys, chunk.records, chunk.click_probability))[:remaining]:
+            yield key, encoder.encode(record), float(p), record["clk"]
+        remaining -= chunk_size
+
+
+@dataclass
+class ProduceReport:
+    produced: int
+    seconds: float
+    bayes_auc: float
+    click_rate: float
+
+
+def produce(bootstrap_servers: str, topic: str, count: int, *, partitions: int = 4, seed: int = 0,
+            rate: float | None = None, schema_path: Path, start_time_ms: int | None = None,
+            client_config: dict[str, str] | None = None, progress: Callable[[str], None] | None = None,
+            should_stop: Callable[[], bool] = lambda: False) -> ProduceReport:
+    """Write ``count`` synthetic events to ``topic`` (created with ``partitions`` if absent).
+
+    ``rate`` (events/s) paces the sends; event times follow the same pace, so they track the
+    wall clock. Keys are user ids, so one user's events stay in one partition.
+    """
+    from confluent_kafka import Producer
+
+    from streamtrain.devkafka import create_topic
+
+    create_topic(bootstrap_servers, topic, partitions)
+    producer = Producer({
+        "bootstrap.servers": bootstrap_servers,
+        "linger.ms": 20,
+        "compression.type": "lz4",
+        "partitioner": "murmur2_random",  # the Java client's partitioner: same key, same partition
+        "enable.idempotence": True,
+        **(client_config or {}),
+    })
+    stream = ClickStream(seed, start_time_ms, rate)
+    encoder = AvroEncoder(schema_path)
+    probabilities = np.empty(count)
+    clicks = np.empty(count, dtype=np.int8)
+    failures: list[str] = []
+
+    def delivered(error, _message) -> None:
+        if error is not None:
+            failures.append(str(error))
+
+    started = last_report = time.monotonic()
+    produced = 0
+    for key, value, p, clk in encoded_events(stream, encoder, count):
+        if should_stop():
+            break
+        if rate:
+            ahead = started + produced / rate - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
+        while True:
+            try:
+                producer.produce(topic, value=value, key=key, on_delivery=delivered)
+                break
+            except BufferError:  # the local queue is full: let librdkafka drain it
+                producer.poll(0.05)
+        probabilities[produced], clicks[produced] = p, clk
+        produced += 1
+        producer.poll(0)
+        now = time.monotonic()
+        if progress and now - last_report >= 2.0:
+            progress(f"produced {produced:,}/{count:,} events ({produced / (now - started):,.0f}/s)")
+            last_report = now
+    remaining = producer.flush(60)
+    if remaining or failures:
+        raise RuntimeError(f"{remaining} events undelivered, {len(failures)} failed: {failures[:3]}")
+    seconds = time.monotonic() - started
+    report = ProduceReport(produced, seconds, roc_auc(probabilities[:produced], clicks[:produced]),
+                           float(clicks[:produced].mean()) if produced else 0.0)
+    if progress:
+        progress(f"produced {produced:,} events to {topic} in {seconds:.1f}s; click rate "
+                 f"{report.click_rate:.3f}; Bayes-optimal AUC of this stream {report.bayes_auc:.4f}")
+    return report
+
+

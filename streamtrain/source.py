@@ -1,0 +1,130 @@
+"""Stage 1, the source: raw events from the Kafka partitions this rank owns.
+
+Partitions are assigned explicitly (never by group rebalancing), so which rank trains which
+partition is deterministic, and the worker, not the group coordinator, decides where reading
+starts. The next offset of every owned partition is tracked here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
+
+from streamtrain.config import KafkaConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RawEvent:
+    partition: int
+    offset: int
+    value: bytes | None
+    timestamp_ms: int
+
+
+class KafkaSource:
+    """Reads the partitions ``p`` of ``config.topic`` with ``p % world_size == rank``.
+
+    ``until_end`` captures each partition's end offset at start-up; once every partition has been
+    read up to it, ``exhausted`` turns true. ``max_events`` bounds the total read instead.
+    """
+
+    def __init__(self, config: KafkaConfig, rank: int = 0, world_size: int = 1, *, until_end: bool = False,
+                 max_events: int | None = None, metadata_timeout: float = 30.0):
+        self.config = config
+        self.topic = config.topic
+        self.consumer = Consumer({
+            **config.librdkafka(),
+            "group.id": config.group_id,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "enable.partition.eof": until_end,
+            "auto.offset.reset": "earliest",
+            "broker.address.family": "v4",
+            "fetch.wait.max.ms": 50,
+        })
+        metadata = self.consumer.list_topics(self.topic, timeout=metadata_timeout)
+        topic_meta = metadata.topics.get(self.topic)
+        if topic_meta is None or topic_meta.error is not None or not topic_meta.partitions:
+            self.consumer.close()
+            reason = topic_meta.error if topic_meta is not None else "absent"
+            raise KafkaException(f"topic {self.topic!r} is not readable at {config.bootstrap_servers}: {reason}")
+        all_partitions = sorted(topic_meta.partitions)
+        self.partitions = [p for p in all_partitions if p % world_size == rank]
+        self.next_offset: dict[int, int] = {}
+        self.end_offset: dict[int, int] = {}
+        committed = self.consumer.committed(
+            [TopicPartition(self.topic, p) for p in self.partitions], timeout=metadata_timeout)
+        assignment = []
+        for tp in committed:
+            start = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+            assignment.append(TopicPartition(self.topic, tp.partition, start))
+            if start == OFFSET_BEGINNING:
+                start, _high = self.consumer.get_watermark_offsets(tp, timeout=metadata_timeout)
+            self.next_offset[tp.partition] = start
+            if until_end:
+                _low, self.end_offset[tp.partition] = self.consumer.get_watermark_offsets(
+                    tp, timeout=metadata_timeout, cached=False)
+        self.until_end = until_end
+        self.max_events = max_events
+        self.consumed = 0
+        self.consumer.assign(assignment)
+        log.info("rank %d/%d owns partitions %s of %s (of %d); starting at %s", rank, world_size,
+                 self.partitions, self.topic, len(all_partitions), self.next_offset)
+
+    @property
+    def exhausted(self) -> bool:
+        if self.max_events is not None and self.consumed >= self.max_events:
+            return True
+        if self.until_end:
+            return all(self.next_offset[p] >= self.end_offset[p] for p in self.partitions)
+        return False
+
+    def poll(self, max_events: int, timeout: float) -> list[RawEvent]:
+        """Up to ``max_events`` events, waiting at most ``timeout`` seconds for the first."""
+        if self.max_events is not None:
+            max_events = min(max_events, self.max_events - self.consumed)
+        if max_events <= 0 or not self.partitions:
+            time.sleep(timeout)
+            return []
+        events = []
+        for message in self.consumer.consume(num_messages=max_events, timeout=timeout):
+            event = self._accept(message)
+            if event is not None:
+                events.append(event)
+        self.consumed += len(events)
+        return events
+
+    def _accept(self, message: Message) -> RawEvent | None:
+        error = message.error()
+        if error is not None:
+            if error.code() == KafkaError._PARTITION_EOF:
+                # The read position has reached the log end; transaction markers can leave it
+                # past the last message's offset + 1.
+                p = message.partition()
+                self.next_offset[p] = max(self.next_offset[p], message.offset())
+                return None
+            if error.fatal() or not error.retriable():
+                raise KafkaException(error)
+            log.warning("Kafka: %s", error)
+            return None
+        partition, offset = message.partition(), message.offset()
+        if self.until_end and offset >= self.end_offset[partition]:
+            # Past the end captured at start-up: leave it for the next run.
+            self.consumer.pause([TopicPartition(self.topic, partition)])
+            return None
+        self.next_offset[partition] = offset + 1
+        return RawEvent(partition, offset, message.value(), message.timestamp()[1])
+
+    def commit(self, next_offsets: dict[int, int]) -> None:
+        """Record trained positions in the consumer group, for lag dashboards; never blocks."""
+        if next_offsets:
+            self.consumer.commit(
+                offsets=[TopicPartition(self.topic, p, o) for p, o in next_offsets.items()], asynchronous=True)
+
+    def close(self) -> None:
+        self.consumer.close()

@@ -1,0 +1,125 @@
+"""Shared fixtures: one real Kafka broker per test session, and helpers to run workers against it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+
+from streamtrain.devkafka import KafkaBroker, free_port
+
+REPO = Path(__file__).resolve().parent.parent
+SMALL_CONFIG = REPO / "tests" / "worker-small.yaml"
+SCHEMA = REPO / "schemas" / "click_event.avsc"
+
+
+@pytest.fixture(scope="session")
+def kafka():
+    with KafkaBroker() as broker:
+        yield broker
+
+
+@pytest.fixture
+def topic_name(request) -> str:
+    return re.sub(r"[^a-zA-Z0-9]", "-", request.node.name)[:80] + "-" + uuid.uuid4().hex[:6]
+
+
+class WorkerProcess:
+    """``python -m streamtrain worker`` in a subprocess, its metrics on a known port."""
+
+    def __init__(self, kafka: KafkaBroker, topic: str, *args: str, config: Path = SMALL_CONFIG,
+                 env: dict[str, str] | None = None):
+        self.metrics_port = free_port()
+        self.log_path = Path(f"/tmp/streamtrain-test-{topic}-{self.metrics_port}.log")
+        environ = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
+            "STREAMTRAIN_KAFKA__TOPIC": topic,
+            "STREAMTRAIN_KAFKA__GROUP_ID": f"group-{topic}",
+            "STREAMTRAIN_METRICS__PORT": str(self.metrics_port),
+            **(env or {}),
+        }
+        self.log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "streamtrain", "worker", "--config", str(config), *args],
+            cwd=REPO, env=environ, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def output(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def scrape(self) -> dict[str, float]:
+        """The metrics endpoint's samples as {'name{labels}': value}; empty if it is not up."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as reply:
+                text = reply.read().decode()
+        except OSError:
+            return {}
+        samples = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def total(self, metric: str, samples: dict[str, float] | None = None) -> float:
+        samples = self.scrape() if samples is None else samples
+        return sum(v for k, v in samples.items() if k == metric or k.startswith(metric + "{"))
+
+    def wait_for(self, condition, timeout: float, what: str):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            value = condition()
+            if value:
+                return value
+            if self.process.poll() is not None:
+                pytest.fail(f"worker exited with {self.process.returncode} while waiting for {what}:\n{self.output()[-4000:]}")
+            time.sleep(0.25)
+        pytest.fail(f"timed out after {timeout}s waiting for {what}:\n{self.output()[-4000:]}\n{self.stacks()}")
+
+    def stacks(self) -> str:
+        """The worker's Python stacks, when py-spy is installed: what a hang was waiting for."""
+        try:
+            return subprocess.run(["py-spy", "dump", "--pid", str(self.process.pid)], capture_output=True,
+                                  text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    def signal(self, signum: int = signal.SIGTERM) -> None:
+        self.process.send_signal(signum)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"worker still running after {timeout}s:\n{self.output()[-4000:]}")
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=10)
+        self.log.close()
+
+
+@pytest.fixture
+def start_worker(kafka):
+    started: list[WorkerProcess] = []
+
+    def start(topic: str, *args: str, **kwargs) -> WorkerProcess:
+        worker = WorkerProcess(kafka, topic, *args, **kwargs)
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.kill()

@@ -1,0 +1,118 @@
+"""The worker end to end against the real broker: consume, decode, train, export, stop."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from conftest import REPO, SCHEMA
+from streamtrain.produce import produce
+
+pytestmark = pytest.mark.integration
+
+EVENTS = 20_000
+PARTITIONS = 4
+
+
+def end_offsets(kafka, topic: str) -> dict[int, int]:
+    consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": "inspector"})
+    try:
+        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                for p in range(PARTITIONS)}
+    finally:
+        consumer.close()
+
+
+def committed_offsets(kafka, topic: str, group: str) -> dict[int, int]:
+    consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": group})
+    try:
+        return {tp.partition: tp.offset for tp in consumer.committed(
+            [TopicPartition(topic, p) for p in range(PARTITIONS)], timeout=10)}
+    finally:
+        consumer.close()
+
+
+def test_worker_trains_every_event_and_learns_the_planted_signal(kafka, topic_name, start_worker):
+    report = produce(kafka.bootstrap_servers, topic_name, EVENTS, partitions=PARTITIONS, seed=7,
+                     schema_path=SCHEMA)
+    assert report.produced == EVENTS and report.bayes_auc >= 0.75
+    per_partition = end_offsets(kafka, topic_name)
+    assert sum(per_partition.values()) == EVENTS and all(per_partition.values())
+
+    worker = start_worker(topic_name)
+    trained = lambda: worker.total("streamtrain_events_trained_total")  # noqa: E731
+    worker.wait_for(lambda: trained() >= EVENTS, timeout=60, what=f"{EVENTS} trained events")
+    time.sleep(1.0)  # nothing beyond the stream may be counted
+    samples = worker.scrape()
+    assert worker.total("streamtrain_events_trained_total", samples) == EVENTS
+    for partition, count in per_partition.items():
+        key = f'streamtrain_events_trained_total{{partition="{partition}",topic="{topic_name}"}}'
+        assert samples[key] == count
+    assert worker.total("streamtrain_events_consumed_total", samples) == EVENTS
+    auc = samples['streamtrain_progressive_auc{task="clk"}']
+    assert auc > 0.65, f"progressive AUC over the last 5,000 events is {auc}; Bayes AUC {report.bayes_auc}"
+    assert samples["streamtrain_loss"] < 0.69  # better than the untrained model's log(2)
+
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
+    assert committed_offsets(kafka, topic_name, f"group-{topic_name}") == per_partition
+
+
+def test_until_end_trains_the_backlog_and_exits_zero(kafka, topic_name, start_worker):
+    produce(kafka.bootstrap_servers, topic_name, 3_000, partitions=PARTITIONS, seed=3, schema_path=SCHEMA)
+    per_partition = end_offsets(kafka, topic_name)
+    worker = start_worker(topic_name, "--until-end")
+    assert worker.wait(timeout=180) == 0, worker.output()[-3000:]
+    assert "3,000 events trained" in worker.output()
+    assert committed_offsets(kafka, topic_name, f"group-{topic_name}") == per_partition
+
+    # The next run starts where the last one stopped: nothing is left, so it trains nothing.
+    again = start_worker(topic_name, "--until-end")
+    assert again.wait(timeout=180) == 0
+    assert "0 events trained" in again.output()
+
+
+def test_sigterm_mid_stream_exits_zero_promptly(kafka, topic_name, start_worker):
+    producer = subprocess.Popen(
+        [sys.executable, "-m", "streamtrain", "produce", "--bootstrap-servers", kafka.bootstrap_servers,
+         "--topic", topic_name, "--count", "60000", "--rate", "3000", "--partitions", str(PARTITIONS)],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        worker_started = time.monotonic()
+        deadline = worker_started + 60
+        while time.monotonic() < deadline:  # the worker needs the topic, which the producer creates
+            try:
+                if sum(end_offsets(kafka, topic_name).values()) > 0:
+                    break
+            except KafkaException:  # not created yet
+                pass
+            time.sleep(0.2)
+        worker = start_worker(topic_name)
+        worker.wait_for(lambda: worker.total("streamtrain_events_trained_total") > 1000, timeout=120,
+                        what="training to be under way")
+        assert producer.poll() is None, "the stream must still be flowing when the signal arrives"
+        signalled = time.monotonic()
+        worker.signal(signal.SIGTERM)
+        assert worker.wait(timeout=15) == 0
+        elapsed = time.monotonic() - signalled
+        assert elapsed < 15
+        assert "SIGTERM received" in worker.output()
+    finally:
+        producer.send_signal(signal.SIGTERM)
+        producer.wait(timeout=30)
+    assert producer.returncode == 0, producer.stderr.read().decode()
+
+
+def test_bad_config_is_rejected_naming_the_field(tmp_path, kafka):
+    config = tmp_path / "worker.yaml"
+    config.write_text((REPO / "tests" / "worker-small.yaml").read_text().replace("batch_size: 256", "batch_size: -5"))
+    result = subprocess.run([sys.executable, "-m", "streamtrain", "worker", "--config", str(config)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "batching.batch_size" in result.stderr
+    assert "greater than 0" in result.stderr
