@@ -12,7 +12,10 @@ import queue
 import threading
 import time
 from collections import deque
-from typing import Iterator
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
 
 from streamtrain.config import BatchingConfig
 from streamtrain.decode import AvroBatchDecoder, ClickBatch
@@ -28,7 +31,7 @@ PIPELINE_LOOKAHEAD = 2
 
 
 class Prefetcher:
-    """Iterate it for batches; the iteration ends when the source is exhausted or ``stop()`` is called."""
+    """Decodes batches ahead of the trainer on its own thread; ``get`` hands them over."""
 
     def __init__(self, source: KafkaSource, decoder: AvroBatchDecoder, config: BatchingConfig,
                  metrics: WorkerMetrics):
@@ -39,6 +42,9 @@ class Prefetcher:
         self.queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
         self.stopping = threading.Event()
         self.error: BaseException | None = None
+        self._ended = False
+        self._commit_lock = threading.Lock()
+        self._pending_commit: dict[int, int] = {}
         self.thread = threading.Thread(target=self._run, name="streamtrain-prefetch", daemon=True)
         metrics.queue_capacity.set(config.queue_size)
 
@@ -53,33 +59,42 @@ class Prefetcher:
         self.stop()
         self.thread.join(timeout)
 
-    def __iter__(self) -> Iterator[ClickBatch]:
-        # TrainPipelineSparseDist trains batch i only once it has taken batch i+2. When the stream
-        # pauses, empty batches let it finish the real ones it holds instead of waiting for traffic.
-        recent_sizes: deque[int] = deque([0] * PIPELINE_LOOKAHEAD, maxlen=PIPELINE_LOOKAHEAD)
-        flush_after = self.config.max_batch_wait_ms / 1000
-        waiting_since = time.monotonic()
-        while not self.stopping.is_set():
-            try:
-                item = self.queue.get(timeout=_POLL_SECONDS)
-            except queue.Empty:
-                if any(recent_sizes) and time.monotonic() - waiting_since >= flush_after:
-                    recent_sizes.append(0)
-                    waiting_since = time.monotonic()
-                    yield self.decoder.decode([]).batch
-                continue
-            self.metrics.queue_depth.set(self.queue.qsize())
-            if item is _END:
-                if self.error is not None:
-                    raise RuntimeError("the prefetch thread failed") from self.error
-                return
-            recent_sizes.append(item.size)
-            yield item
-            waiting_since = time.monotonic()
+    @property
+    def finished(self) -> bool:
+        """True once the source is exhausted and every batch has been handed over."""
+        return self._ended
+
+    def get(self, timeout: float) -> ClickBatch | None:
+        """The next decoded batch, or None if none arrived within ``timeout`` seconds."""
+        if self._ended:
+            return None
+        try:
+            item = self.queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        self.metrics.queue_depth.set(self.queue.qsize())
+        if item is _END:
+            if self.error is not None:
+                raise RuntimeError("the prefetch thread failed") from self.error
+            self._ended = True
+            return None
+        return item
+
+    def commit_soon(self, next_offsets: dict[int, int]) -> None:
+        """Have the prefetch thread commit these positions: the consumer is not safe to call from
+        two threads at once (a commit beside a running consume() can block)."""
+        with self._commit_lock:
+            self._pending_commit.update(next_offsets)
+
+    def _commit_pending(self) -> None:
+        with self._commit_lock:
+            pending, self._pending_commit = self._pending_commit, {}
+        self.source.commit(pending)
 
     def _run(self) -> None:
         try:
             while not self.stopping.is_set() and not self.source.exhausted:
+                self._commit_pending()
                 events = self._collect()
                 if events:
                     self._put(self._decode(events))
@@ -124,3 +139,64 @@ class Prefetcher:
             except queue.Full:
                 if self.stopping.is_set():
                     return
+
+
+class Lockstep:
+    """The batches one rank trains, in step with every other rank.
+
+    Each step, the ranks all-reduce (events held, batches held, stop requested, finished) on a
+    group of their own. A step is taken when any rank holds a batch; a rank without one
+    contributes an empty batch, so every rank enters every collective of the step. Nobody steps
+    when no rank has data: each waits on its own queue for a bounded time and asks again. A stop
+    (a signal to any rank) or the end of every rank's stream ends the iteration on all ranks at
+    the same step. The iterator never yields None, which TrainPipelineSparseDist would take for
+    the end of the stream.
+    """
+
+    BUSY_WAIT_SECONDS = 0.005
+    IDLE_WAIT_SECONDS = 0.1
+
+    def __init__(self, prefetcher: Prefetcher, empty_batch: Callable[[], ClickBatch], world_size: int,
+                 group: dist.ProcessGroup | None, flush_after_seconds: float):
+        self.prefetcher = prefetcher
+        self.empty_batch = empty_batch
+        self.world_size = world_size
+        self.group = group
+        self.flush_after = flush_after_seconds
+        self.global_batch_size = 0
+
+    def __iter__(self) -> Iterator[ClickBatch]:
+        # TrainPipelineSparseDist trains batch i once it has taken batch i+2. When the stream
+        # pauses, empty steps let it finish the real batches it holds instead of waiting for
+        # traffic. The global sizes of the last steps are the same on every rank.
+        recent_global_sizes: deque[int] = deque([0] * PIPELINE_LOOKAHEAD, maxlen=PIPELINE_LOOKAHEAD)
+        busy = False
+        last_step = time.monotonic()
+        while True:
+            batch = self.prefetcher.get(self.BUSY_WAIT_SECONDS if busy else self.IDLE_WAIT_SECONDS)
+            votes = torch.tensor([
+                batch.size if batch is not None else 0,
+                batch is not None,
+                self.prefetcher.stopping.is_set(),
+                self.prefetcher.finished,
+            ], dtype=torch.int64)
+            if self.world_size > 1:
+                dist.all_reduce(votes, group=self.group)
+            global_size, batches_held, stops, finished = votes.tolist()
+            if stops or finished == self.world_size:
+                return
+            if batches_held:
+                step = batch if batch is not None else self.empty_batch()
+            elif any(recent_global_sizes) and time.monotonic() - last_step >= self.flush_after:
+                step = self.empty_batch()
+            else:
+                busy = False
+                continue
+            # Each rank sums its loss; scaling by world/global size makes the gradients TorchRec's
+            # usual per-rank mean when batches are even, and keeps an empty rank's loss at 0.
+            step.loss_scale = torch.tensor(self.world_size / max(global_size, 1), dtype=torch.float32)
+            self.global_batch_size = global_size
+            recent_global_sizes.append(global_size)
+            busy = True
+            yield step
+            last_step = time.monotonic()

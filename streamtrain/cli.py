@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
@@ -40,10 +41,48 @@ def _setup_logging(verbose: bool = False) -> None:
 
 def _worker(args: argparse.Namespace) -> int:
     from streamtrain.config import load_config
+
+    config = load_config(args.config)  # fail on a bad config before any rank starts
+    if args.nproc and "LOCAL_RANK" not in os.environ:
+        return _launch_local_ranks(args)
     from streamtrain.worker import run_worker
 
-    config = load_config(args.config)
     return run_worker(config, until_end=args.until_end, max_events=args.max_events)
+
+
+def _launch_local_ranks(args: argparse.Namespace) -> int:
+    """Start ``--nproc`` ranks on this host with torch's elastic launcher, exactly as torchrun would."""
+    from torch.distributed.run import get_args_parser, run
+
+    worker_args = ["worker", "--config", str(args.config)]
+    if args.until_end:
+        worker_args.append("--until-end")
+    if args.max_events is not None:
+        worker_args += ["--max-events", str(args.max_events)]
+    launch = get_args_parser().parse_args(
+        ["--standalone", f"--nproc-per-node={args.nproc}", "--max-restarts=0", "--module", "streamtrain",
+         *worker_args])
+    try:
+        run(launch)
+    except Exception as error:  # ChildFailedError: the launcher has already printed which rank failed
+        print(f"streamtrain: a rank failed: {str(error).splitlines()[0] if str(error) else error}",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from streamtrain.config import load_config
+    from streamtrain.train import describe_plan, plan_sharding, write_plan_json
+
+    config = load_config(args.config)
+    _model, plan = plan_sharding(config, args.world_size, args.compute_device)
+    print(f"sharding plan for {args.world_size} rank(s) on {args.compute_device}:")
+    print(describe_plan(plan, config, args.world_size))
+    if args.json:
+        write_plan_json(plan, config, args.world_size, args.json)
+        print(f"written to {args.json}")
+    return 0
 
 
 def _produce(args: argparse.Namespace) -> int:
@@ -52,7 +91,8 @@ def _produce(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    produce(args.bootstrap_servers, args.topic, args.count, partitions=args.partitions, seed=args.seed,
+    produce(args.bootstrap_servers, args.topic, args.count, partitions=args.partitions, partition=args.partition,
+            seed=args.seed,
             rate=args.rate, schema_path=args.schema, start_time_ms=args.start_time_ms,
             progress=lambda line: print(line, file=sys.stderr, flush=True), should_stop=stop.is_set)
     return 0
@@ -95,7 +135,20 @@ def build_parser() -> argparse.ArgumentParser:
     bound.add_argument("--until-end", action="store_true",
                        help="train up to the end offsets seen at start-up, then exit 0")
     bound.add_argument("--max-events", type=int, metavar="N", help="train N events, then exit 0")
+    worker.add_argument("--nproc", type=int, metavar="N",
+                        help="launch N ranks on this host through torch's elastic launcher (as torchrun does)")
     worker.set_defaults(run=_worker)
+
+    plan = commands.add_parser(
+        "plan", help="print the sharding plan for any world size, without training or Kafka",
+        description="A dry run of TorchRec's EmbeddingShardingPlanner over the configured tables, for capacity "
+                    "planning: how each table is sharded, where, and the embedding memory per rank.")
+    plan.add_argument("--config", required=True, type=Path)
+    plan.add_argument("--world-size", type=int, default=1)
+    plan.add_argument("--compute-device", choices=["cpu", "cuda"], default="cpu",
+                      help="plan for CPU ranks or GPU ranks (row-wise sharding needs cuda)")
+    plan.add_argument("--json", type=Path, help="also write the plan as JSON here")
+    plan.set_defaults(run=_plan)
 
     produce = commands.add_parser(
         "produce", help="write a synthetic click stream with a planted signal to a topic",
@@ -106,6 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
     produce.add_argument("--count", type=int, default=100_000, help="events to write (default 100,000)")
     produce.add_argument("--rate", type=float, default=None, help="events per second (default: as fast as possible)")
     produce.add_argument("--partitions", type=int, default=4, help="partitions, if the topic is created (default 4)")
+    produce.add_argument("--partition", type=int, default=None,
+                         help="write every event to this partition (a skewed stream); default: by user id")
     produce.add_argument("--seed", type=int, default=0, help="the same seed writes the same events")
     produce.add_argument("--start-time-ms", type=int, default=None, help="event time of the first event (default: now)")
     produce.add_argument("--schema", type=Path, default=DEFAULT_SCHEMA)

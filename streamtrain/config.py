@@ -60,6 +60,11 @@ class KafkaConfig(_Strict):
         return props
 
 
+ShardingTypeName = Literal["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise",
+                           "table_column_wise"]
+ComputeKernelName = Literal["dense", "fused", "fused_uvm", "fused_uvm_caching"]
+
+
 class TableConfig(_Strict):
     name: str = Field(min_length=1)
     field: str = Field(min_length=1, description="the schema field holding this feature's ids")
@@ -69,6 +74,10 @@ class TableConfig(_Strict):
     # modulo keeps small integer ids readable in the table; hash spreads large or structured ids.
     # String ids are always hashed.
     id_mapping: Literal["modulo", "hash"] = "modulo"
+    # Planner constraints; unset lets the planner choose. Without a GPU only data_parallel,
+    # table_wise, column_wise and table_column_wise exist.
+    sharding_types: list[ShardingTypeName] | None = Field(default=None, min_length=1)
+    compute_kernels: list[ComputeKernelName] | None = Field(default=None, min_length=1)
 
 
 class DenseFeature(_Strict):
@@ -126,12 +135,20 @@ class MetricsConfig(_Strict):
     auc_window: int = Field(default=100_000, gt=0)
 
 
+class DistributedConfig(_Strict):
+    # How long a collective waits for a peer before this rank gives up with an error.
+    timeout_seconds: float = Field(default=120.0, gt=0)
+    # Where rank 0 writes the sharding plan as JSON; empty to skip.
+    plan_path: Path | None = None
+
+
 class WorkerConfig(_Strict):
     kafka: KafkaConfig
     features: FeaturesConfig
     model: ModelConfig = ModelConfig()
     batching: BatchingConfig = BatchingConfig()
     metrics: MetricsConfig = MetricsConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
     @model_validator(mode="after")
     def _dlrm_shapes(self) -> "WorkerConfig":

@@ -10,7 +10,7 @@ import threading
 from collections import deque
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Info, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 
 def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -73,6 +73,11 @@ class WorkerMetrics:
             "streamtrain_events_dropped", "Events read but not trained, by reason.", tp + ["reason"],
             registry=registry)
         self.batches = Counter("streamtrain_batches", "Training steps taken.", registry=registry)
+        self.step_seconds = Histogram(
+            "streamtrain_step_seconds", "Wall time of one training step on this rank, data wait included.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=registry)
+        self.global_batch_size = Gauge(
+            "streamtrain_global_batch_size", "Events in the last step, summed over all ranks.", registry=registry)
         self.global_step = Gauge("streamtrain_global_step", "The trainer's step counter.", registry=registry)
         self.loss = Gauge("streamtrain_loss", "Mean training loss (binary cross-entropy) of the last batch.",
                           registry=registry)

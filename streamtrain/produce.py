@@ -184,14 +184,16 @@ class ProduceReport:
     click_rate: float
 
 
-def produce(bootstrap_servers: str, topic: str, count: int, *, partitions: int = 4, seed: int = 0,
+def produce(bootstrap_servers: str, topic: str, count: int, *, partitions: int = 4, partition: int | None = None,
+            seed: int = 0,
             rate: float | None = None, schema_path: Path, start_time_ms: int | None = None,
             client_config: dict[str, str] | None = None, progress: Callable[[str], None] | None = None,
             should_stop: Callable[[], bool] = lambda: False) -> ProduceReport:
     """Write ``count`` synthetic events to ``topic`` (created with ``partitions`` if absent).
 
     ``rate`` (events/s) paces the sends; event times follow the same pace, so they track the
-    wall clock. Keys are user ids, so one user's events stay in one partition.
+    wall clock. Keys are user ids, so one user's events stay in one partition, unless
+    ``partition`` sends every event to that one partition (a skewed stream).
     """
     from confluent_kafka import Producer
 
@@ -227,7 +229,8 @@ def produce(bootstrap_servers: str, topic: str, count: int, *, partitions: int =
                 time.sleep(ahead)
         while True:
             try:
-                producer.produce(topic, value=value, key=key, on_delivery=delivered)
+                producer.produce(topic, value=value, key=key, on_delivery=delivered,
+                                 **({} if partition is None else {"partition": partition}))
                 break
             except BufferError:  # the local queue is full: let librdkafka drain it
                 producer.poll(0.05)

@@ -55,10 +55,17 @@ class KafkaSource:
             raise KafkaException(f"topic {self.topic!r} is not readable at {config.bootstrap_servers}: {reason}")
         all_partitions = sorted(topic_meta.partitions)
         self.partitions = [p for p in all_partitions if p % world_size == rank]
+        if rank == 0 and len(all_partitions) < world_size:
+            log.warning("%s has %d partitions for %d ranks: ranks %d..%d own none and only take part in "
+                        "the collectives", self.topic, len(all_partitions), world_size, len(all_partitions),
+                        world_size - 1)
+        elif rank == 0 and len(all_partitions) % world_size:
+            log.warning("%s has %d partitions, not a multiple of %d ranks: some ranks own more partitions "
+                        "than others and will be busier", self.topic, len(all_partitions), world_size)
         self.next_offset: dict[int, int] = {}
         self.end_offset: dict[int, int] = {}
-        committed = self.consumer.committed(
-            [TopicPartition(self.topic, p) for p in self.partitions], timeout=metadata_timeout)
+        committed = _retrying(lambda: self.consumer.committed(
+            [TopicPartition(self.topic, p) for p in self.partitions], timeout=5), metadata_timeout)
         assignment = []
         for tp in committed:
             start = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
@@ -128,3 +135,21 @@ class KafkaSource:
 
     def close(self) -> None:
         self.consumer.close()
+
+
+def _retrying(call, timeout: float):
+    """``call()``, retried while Kafka answers with a retriable error (e.g. the group coordinator
+    is still loading) for up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return call()
+        except KafkaException as error:
+            kafka_error = error.args[0] if error.args and isinstance(error.args[0], KafkaError) else None
+            retriable = kafka_error is not None and (kafka_error.retriable() or kafka_error.code() in (
+                KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+                KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError._TIMED_OUT))
+            if not retriable or time.monotonic() >= deadline:
+                raise
+            log.info("Kafka is not ready (%s); retrying", kafka_error.str())
+            time.sleep(0.5)

@@ -7,19 +7,21 @@ Sparse parameters are updated by fbgemm's fused optimizer inside the backward pa
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim import RowWiseAdagrad
@@ -76,26 +78,91 @@ class StepResult:
     seconds: float
 
 
+def plan_sharding(config: WorkerConfig, world_size: int, compute_device: str,
+                  pg: dist.ProcessGroup | None = None,
+                  dense_device: torch.device | None = None) -> tuple[ClickModel, ShardingPlan]:
+    """The model (tables on the meta device) and the planner's plan for ``world_size`` ranks.
+
+    With ``pg`` the ranks plan collectively and agree on one plan; without it this is a dry run,
+    and the dense layers stay on the meta device too.
+    """
+    model = ClickModel(config.features, config.model, dense_device or torch.device("meta"))
+    apply_optimizer_in_backward(
+        _SPARSE_OPTIMIZERS[config.model.sparse_optimizer],
+        model.dlrm.sparse_arch.parameters(),
+        {"lr": config.model.sparse_learning_rate},
+    )
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device=compute_device,
+                          local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size))),
+        constraints={
+            t.name: ParameterConstraints(sharding_types=t.sharding_types, compute_kernels=t.compute_kernels)
+            for t in config.features.tables if t.sharding_types or t.compute_kernels
+        },
+    )
+    sharders = [EmbeddingBagCollectionSharder()]
+    plan = planner.collective_plan(model, sharders, pg) if pg is not None else planner.plan(model, sharders)
+    return model, plan
+
+
+_EBC = "dlrm.sparse_arch.embedding_bag_collection"
+_OPTIMIZER_STATE_PER_ROW = {"row_wise_adagrad": lambda dim: 1, "adagrad": lambda dim: dim, "sgd": lambda dim: 0}
+
+
+def plan_table(plan: ShardingPlan, config: WorkerConfig, world_size: int) -> list[dict]:
+    """One row per table: how it is sharded, where its shards live, and bytes per rank (fp32
+    weights plus the sparse optimizer's state)."""
+    rows = []
+    state_per_row = _OPTIMIZER_STATE_PER_ROW[config.model.sparse_optimizer]
+    for table in config.features.tables:
+        sharding = plan.plan[_EBC][table.name]
+        if sharding.sharding_spec is None:  # data parallel: a full replica on every rank
+            shards = [{"rank": r, "offsets": [0, 0], "sizes": [table.num_embeddings, table.embedding_dim]}
+                      for r in range(world_size)]
+        else:
+            shards = [{"rank": s.placement.rank(), "offsets": list(s.shard_offsets), "sizes": list(s.shard_sizes)}
+                      for s in sharding.sharding_spec.shards]
+        for shard in shards:
+            rows_, dim = shard["sizes"]
+            shard["bytes"] = 4 * rows_ * (dim + state_per_row(dim))
+        rows.append({"table": table.name, "rows": table.num_embeddings, "dim": table.embedding_dim,
+                     "sharding_type": sharding.sharding_type, "compute_kernel": sharding.compute_kernel,
+                     "shards": shards})
+    return rows
+
+
+def describe_plan(plan: ShardingPlan, config: WorkerConfig, world_size: int) -> str:
+    """The plan as a readable table, with the memory each rank needs for its embeddings."""
+    tables = plan_table(plan, config, world_size)
+    lines = [f"{'table':<22} {'rows x dim':>16}  {'sharding':<18} {'kernel':<8} ranks"]
+    per_rank = [0] * world_size
+    for t in tables:
+        ranks = sorted({s["rank"] for s in t["shards"]})
+        for s in t["shards"]:
+            per_rank[s["rank"]] += s["bytes"]
+        shown = ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
+        lines.append(f"{t['table']:<22} {t['rows']:>9,} x {t['dim']:<4}  {t['sharding_type']:<18} "
+                     f"{t['compute_kernel']:<8} {shown}")
+    lines.append("embedding memory per rank (fp32 weights + optimizer state):")
+    lines += [f"  rank {r}: {b / 2**20:,.1f} MiB" for r, b in enumerate(per_rank)]
+    return "\n".join(lines)
+
+
+def write_plan_json(plan: ShardingPlan, config: WorkerConfig, world_size: int, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"world_size": world_size, "tables": plan_table(plan, config, world_size)},
+                               indent=2))
+
+
 class Trainer:
     def __init__(self, config: WorkerConfig, env: DistEnv):
         self.env = env
         torch.manual_seed(config.model.seed)
-        model = ClickModel(config.features, config.model, env.device)
-        apply_optimizer_in_backward(
-            _SPARSE_OPTIMIZERS[config.model.sparse_optimizer],
-            model.dlrm.sparse_arch.parameters(),
-            {"lr": config.model.sparse_learning_rate},
-        )
+        model, self.plan = plan_sharding(config, env.world_size, env.device.type, dist.group.WORLD, env.device)
         sharders = [EmbeddingBagCollectionSharder()]
-        planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=env.world_size, compute_device=env.device.type,
-                              local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", env.world_size))),
-        )
-        pg = dist.group.WORLD
-        self.plan: ShardingPlan = planner.collective_plan(model, sharders, pg)
         self.model = DistributedModelParallel(
             module=model, device=env.device, plan=self.plan, sharders=sharders,
-            env=ShardingEnv.from_process_group(pg),
+            env=ShardingEnv.from_process_group(dist.group.WORLD),
         )
         dense_optimizer = KeyedOptimizerWrapper(
             dict(in_backward_optimizer_filter(self.model.named_parameters())),

@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import signal
 import threading
 import time
+from datetime import timedelta
 from typing import Callable
 
-from streamtrain.batch import Prefetcher
+import torch.distributed as dist
+
+from streamtrain.batch import Lockstep, Prefetcher
 from streamtrain.config import WorkerConfig
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.source import KafkaSource
-from streamtrain.train import StepResult, Trainer, init_distributed
+from streamtrain.train import StepResult, Trainer, describe_plan, init_distributed, write_plan_json
 
 log = logging.getLogger(__name__)
 
@@ -25,8 +29,10 @@ class _Progress:
     """Exports each step's figures; a reporter thread prints a summary line every ``interval`` seconds,
     idle or not, so the gauges and the log stay current while the stream is quiet."""
 
-    def __init__(self, metrics: WorkerMetrics, topic: str, interval: float, queue_depth: Callable[[], int]):
+    def __init__(self, metrics: WorkerMetrics, rank: int, topic: str, interval: float,
+                 queue_depth: Callable[[], int]):
         self.metrics = metrics
+        self.rank = rank
         self.topic = topic
         self.interval = interval
         self.queue_depth = queue_depth
@@ -48,8 +54,10 @@ class _Progress:
         self.thread.join(timeout=5)
         self.report()
 
-    def record(self, result: StepResult) -> None:
+    def record(self, result: StepResult, global_batch_size: int) -> None:
         batch, metrics = result.batch, self.metrics
+        metrics.step_seconds.observe(result.seconds)
+        metrics.global_batch_size.set(global_batch_size)
         for partition, span in batch.spans.items():
             if span.events:
                 metrics.events_trained.labels(self.topic, str(partition)).inc(span.events)
@@ -74,45 +82,71 @@ class _Progress:
         loss = f"{(loss_sum - self.last_loss_sum) / events:.4f}" if events else "-"
         auc = self.metrics.progressive_auc.value()
         self.metrics.examples_per_second.set(rate)
-        self.metrics.progressive_auc_gauge.labels("clk").set(auc)
-        log.info("step %d | trained %s events | %s events/s | loss %s | progressive AUC %.4f | queue %d",
-                 self.step, f"{trained:,}", f"{rate:,.0f}", loss, auc, self.queue_depth())
+        if math.isfinite(auc):  # a rank that has seen no events of both classes has no AUC yet
+            self.metrics.progressive_auc_gauge.labels("clk").set(auc)
+        log.info("rank %d step %d | trained %s events | %s events/s | loss %s | progressive AUC %.4f | queue %d",
+                 self.rank, self.step, f"{trained:,}", f"{rate:,.0f}", loss, auc, self.queue_depth())
         self.last_time, self.last_trained, self.last_loss_sum = now, trained, loss_sum
 
 
 def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int | None = None) -> int:
-    """Train until the end offsets (``until_end``), ``max_events``, or SIGTERM/SIGINT; returns the exit code."""
-    env = init_distributed()
+    """Train until the end offsets (``until_end``), ``max_events``, or SIGTERM/SIGINT; returns the exit code.
+
+    Under torchrun every rank runs this; the ranks step in lockstep (see ``Lockstep``).
+    """
+    env = init_distributed(config.distributed.timeout_seconds)
     metrics = WorkerMetrics(config.metrics.auc_window)
     metrics.info.info({"rank": str(env.rank), "world_size": str(env.world_size), "topic": config.kafka.topic})
     port = metrics.serve(config.metrics.host, config.metrics.port and config.metrics.port + env.local_rank)
-    log.info("metrics on http://%s:%d/metrics", config.metrics.host, port)
+    log.info("rank %d/%d: metrics on http://%s:%d/metrics", env.rank, env.world_size, config.metrics.host, port)
 
     source = KafkaSource(config.kafka, env.rank, env.world_size, until_end=until_end, max_events=max_events)
     trainer = Trainer(config, env)
-    log.info("sharding plan:\n%s", trainer.plan)
-    prefetcher = Prefetcher(source, AvroBatchDecoder(config.features), config.batching, metrics)
+    if env.rank == 0:
+        log.info("sharding plan:\n%s", describe_plan(trainer.plan, config, env.world_size))
+        if config.distributed.plan_path:
+            write_plan_json(trainer.plan, config, env.world_size, config.distributed.plan_path)
+    decoder = AvroBatchDecoder(config.features)
+    prefetcher = Prefetcher(source, decoder, config.batching, metrics)
+    steps = Lockstep(prefetcher, lambda: decoder.decode([]).batch, env.world_size,
+                     # its own group, so the vote never interleaves with the pipeline's collectives
+                     dist.new_group(backend="gloo", timeout=timedelta(seconds=config.distributed.timeout_seconds))
+                     if env.world_size > 1 else None,
+                     flush_after_seconds=config.batching.max_batch_wait_ms / 1000)
     _stop_on_signals(prefetcher)
-    progress = _Progress(metrics, source.topic, config.metrics.log_interval_seconds, prefetcher.queue.qsize)
+    progress = _Progress(metrics, env.rank, source.topic, config.metrics.log_interval_seconds, prefetcher.queue.qsize)
     trained_to: dict[int, int] = {}
     last_commit = time.monotonic()
+    exit_code = 0
     prefetcher.start()
     try:
         with progress:
-            for result in trainer.train(prefetcher):
-                progress.record(result)
+            for result in trainer.train(steps):
+                progress.record(result, steps.global_batch_size)
                 trained_to.update({p: span.next_offset for p, span in result.batch.spans.items()})
                 if time.monotonic() - last_commit >= config.metrics.log_interval_seconds:
-                    source.commit(trained_to)
+                    prefetcher.commit_soon(trained_to)
                     last_commit = time.monotonic()
+    except RuntimeError as error:
+        if not _is_collective_failure(error):
+            raise
+        log.error("rank %d: a peer rank failed or stopped answering within %.0fs; giving up: %s", env.rank,
+                  config.distributed.timeout_seconds, str(error).splitlines()[0] if str(error) else error)
+        exit_code = 1
     finally:
         prefetcher.join(timeout=SHUTDOWN_GRACE_SECONDS)
-        source.commit(trained_to)
+        source.commit(trained_to)  # the prefetch thread has stopped: the consumer is ours now
         source.close()
         metrics.close()
-    log.info("stopped after %d steps, %s events trained; positions %s", trainer.step,
-             f"{progress.trained:,}", trained_to)
-    return 0
+    log.info("rank %d stopped after %d steps, %s events trained; positions %s", env.rank, trainer.step,
+             f"{progress.trained:,}", dict(sorted(trained_to.items())))
+    return exit_code
+
+
+def _is_collective_failure(error: RuntimeError) -> bool:
+    """Gloo and NCCL report a dead or stalled peer as a RuntimeError naming the transport."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or "gloo" in text or "NCCL" in text
 
 
 def _stop_on_signals(prefetcher: Prefetcher) -> None:

@@ -36,7 +36,7 @@ class WorkerProcess:
     """``python -m streamtrain worker`` in a subprocess, its metrics on a known port."""
 
     def __init__(self, kafka: KafkaBroker, topic: str, *args: str, config: Path = SMALL_CONFIG,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, local_rank: int = 0):
         self.metrics_port = free_port()
         self.log_path = Path(f"/tmp/streamtrain-test-{topic}-{self.metrics_port}.log")
         environ = {
@@ -45,7 +45,8 @@ class WorkerProcess:
             "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
             "STREAMTRAIN_KAFKA__TOPIC": topic,
             "STREAMTRAIN_KAFKA__GROUP_ID": f"group-{topic}",
-            "STREAMTRAIN_METRICS__PORT": str(self.metrics_port),
+            # each rank serves base port + local rank
+            "STREAMTRAIN_METRICS__PORT": str(self.metrics_port - local_rank),
             **(env or {}),
         }
         self.log = open(self.log_path, "wb")
@@ -90,7 +91,7 @@ class WorkerProcess:
     def stacks(self) -> str:
         """The worker's Python stacks, when py-spy is installed: what a hang was waiting for."""
         try:
-            return subprocess.run(["py-spy", "dump", "--pid", str(self.process.pid)], capture_output=True,
+            return subprocess.run(["py-spy", "dump", "--native", "--pid", str(self.process.pid)], capture_output=True,
                                   text=True, timeout=30).stdout
         except (OSError, subprocess.TimeoutExpired):
             return ""
@@ -102,7 +103,7 @@ class WorkerProcess:
         try:
             return self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"worker still running after {timeout}s:\n{self.output()[-4000:]}")
+            pytest.fail(f"worker still running after {timeout}s:\n{self.output()[-4000:]}\n{self.stacks()}")
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -123,3 +124,27 @@ def start_worker(kafka):
     yield start
     for worker in started:
         worker.kill()
+
+
+@pytest.fixture
+def start_ranks(start_worker):
+    """``world_size`` worker processes joined as torchrun would join them (RANK, WORLD_SIZE, MASTER_*)."""
+
+    def start(topic: str, world_size: int, *args: str, env: dict[str, str] | None = None) -> list[WorkerProcess]:
+        master_port = str(free_port())
+        return [
+            start_worker(topic, *args, local_rank=rank, env={
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port, "RANK": str(rank),
+                "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                **(env or {}),
+            })
+            for rank in range(world_size)
+        ]
+
+    return start
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
