@@ -42,6 +42,8 @@ class _Progress:
         self.last_time = time.monotonic()
         self.last_trained = 0
         self.last_loss_sum = 0.0
+        self.first_trained_at = 0.0
+        self.last_trained_at = 0.0
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._report_until_done, name="streamtrain-progress", daemon=True)
 
@@ -67,8 +69,16 @@ class _Progress:
             metrics.loss.set(result.loss_sum / batch.size)
             metrics.progressive_auc.add(result.logits.float().cpu().numpy(), result.labels.cpu().numpy())
         self.step = result.step
+        if batch.size:
+            self.first_trained_at = self.first_trained_at or time.monotonic()
+            self.last_trained_at = time.monotonic()
         self.trained += batch.size
         self.loss_sum += result.loss_sum
+
+    def summary(self) -> str:
+        seconds = self.last_trained_at - self.first_trained_at
+        rate = f" in {seconds:.1f}s ({self.trained / seconds:,.0f} events/s)" if seconds > 0 else ""
+        return f"{self.trained:,} events trained{rate}"
 
     def _report_until_done(self) -> None:
         while not self.done.wait(self.interval):
@@ -138,8 +148,8 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
         source.commit(trained_to)  # the prefetch thread has stopped: the consumer is ours now
         source.close()
         metrics.close()
-    log.info("rank %d stopped after %d steps, %s events trained; positions %s", env.rank, trainer.step,
-             f"{progress.trained:,}", dict(sorted(trained_to.items())))
+    log.info("rank %d stopped after %d steps, %s; positions %s", env.rank, trainer.step, progress.summary(),
+             dict(sorted(trained_to.items())))
     return exit_code
 
 
