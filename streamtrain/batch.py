@@ -157,13 +157,24 @@ class Lockstep:
     IDLE_WAIT_SECONDS = 0.1
 
     def __init__(self, prefetcher: Prefetcher, empty_batch: Callable[[], ClickBatch], world_size: int,
-                 group: dist.ProcessGroup | None, flush_after_seconds: float):
+                 group: dist.ProcessGroup | None, flush_after_seconds: float,
+                 votes: dict[str, tuple[Callable[[], bool], str]] | None = None):
+        """``votes`` names extra questions put to every rank each step, each with "any" or "all":
+        e.g. {"checkpoint": (due, "any")}. ``take_agreed()`` returns the answers of the last vote.
+        An agreed question is a reason to step even when no rank has data."""
         self.prefetcher = prefetcher
         self.empty_batch = empty_batch
         self.world_size = world_size
         self.group = group
         self.flush_after = flush_after_seconds
+        self.votes = votes or {}
+        self.agreed: dict[str, bool] = dict.fromkeys(self.votes, False)
         self.global_batch_size = 0
+
+    def take_agreed(self) -> dict[str, bool]:
+        """What the ranks agreed at the last vote; each answer is handed out once."""
+        agreed, self.agreed = self.agreed, dict.fromkeys(self.votes, False)
+        return agreed
 
     def __iter__(self) -> Iterator[ClickBatch]:
         # TrainPipelineSparseDist trains batch i once it has taken batch i+2. When the stream
@@ -179,14 +190,19 @@ class Lockstep:
                 batch is not None,
                 self.prefetcher.stopping.is_set(),
                 self.prefetcher.finished,
+                *(bool(ask()) for ask, _mode in self.votes.values()),
             ], dtype=torch.int64)
             if self.world_size > 1:
                 dist.all_reduce(votes, group=self.group)
-            global_size, batches_held, stops, finished = votes.tolist()
+            global_size, batches_held, stops, finished, *answers = votes.tolist()
+            self.agreed = {name: count > 0 if mode == "any" else count == self.world_size
+                           for (name, (_ask, mode)), count in zip(self.votes.items(), answers)}
             if stops or finished == self.world_size:
                 return
             if batches_held:
                 step = batch if batch is not None else self.empty_batch()
+            elif any(self.agreed.values()):
+                step = self.empty_batch()
             elif any(recent_global_sizes) and time.monotonic() - last_step >= self.flush_after:
                 step = self.empty_batch()
             else:

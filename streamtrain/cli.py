@@ -47,7 +47,8 @@ def _worker(args: argparse.Namespace) -> int:
         return _launch_local_ranks(args)
     from streamtrain.worker import run_worker
 
-    return run_worker(config, until_end=args.until_end, max_events=args.max_events)
+    return run_worker(config, until_end=args.until_end, max_events=args.max_events,
+                      allow_partial_restore=args.allow_partial_restore)
 
 
 def _launch_local_ranks(args: argparse.Namespace) -> int:
@@ -59,6 +60,8 @@ def _launch_local_ranks(args: argparse.Namespace) -> int:
         worker_args.append("--until-end")
     if args.max_events is not None:
         worker_args += ["--max-events", str(args.max_events)]
+    if args.allow_partial_restore:
+        worker_args.append("--allow-partial-restore")
     launch = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={args.nproc}", "--max-restarts=0", "--module", "streamtrain",
          *worker_args])
@@ -118,6 +121,41 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(metrics_port=args.metrics_port, rate=args.rate)
 
 
+def _checkpoints(args: argparse.Namespace) -> int:
+    import datetime
+    import json
+
+    from streamtrain.checkpoint import list_snapshots, verify_snapshot
+
+    if args.action == "list":
+        snapshots = list_snapshots(args.path)
+        if not snapshots:
+            print(f"no snapshots under {args.path}")
+            return 0
+        print(f"{'snapshot':<24} {'step':>10} {'ranks':>5} {'size':>10}  {'written':<19}  state")
+        for s in snapshots:
+            meta = s.metadata or {}
+            written = (datetime.datetime.fromtimestamp(meta["wall_time"]).strftime("%Y-%m-%d %H:%M:%S")
+                       if "wall_time" in meta else "-")
+            print(f"{s.path.rstrip('/').rsplit('/', 1)[-1]:<24} {s.step:>10,} {meta.get('world_size', '-'):>5} "
+                  f"{s.bytes / 2**20:>8.1f}Mi  {written:<19}  {'complete' if s.complete else s.problem}")
+        return 0
+    path = args.path
+    snapshots = list_snapshots(path) if _step_dir_name(path) is None else [verify_snapshot(path)]
+    if not snapshots:
+        print(f"no snapshot at {path}", file=sys.stderr)
+        return 1
+    snapshot = next((s for s in snapshots if s.complete), snapshots[0])
+    print(json.dumps({"path": snapshot.path, "complete": snapshot.complete, "problem": snapshot.problem,
+                      "bytes": snapshot.bytes, **(snapshot.metadata or {})}, indent=2))
+    return 0 if snapshot.complete else 1
+
+
+def _step_dir_name(path: Path) -> str | None:
+    name = str(path).rstrip("/").rsplit("/", 1)[-1]
+    return name if name.startswith("step-") else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamtrain",
@@ -135,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     bound.add_argument("--until-end", action="store_true",
                        help="train up to the end offsets seen at start-up, then exit 0")
     bound.add_argument("--max-events", type=int, metavar="N", help="train N events, then exit 0")
+    worker.add_argument("--allow-partial-restore", action="store_true",
+                        help="restore a snapshot written for another feature config: load only the tensors "
+                             "whose names and shapes still match")
     worker.add_argument("--nproc", type=int, metavar="N",
                         help="launch N ranks on this host through torch's elastic launcher (as torchrun does)")
     worker.set_defaults(run=_worker)
@@ -173,6 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
     dev_kafka.add_argument("--topic", action="append", default=[], help="create this topic (repeatable)")
     dev_kafka.add_argument("--partitions", type=int, default=4)
     dev_kafka.set_defaults(run=_dev_kafka)
+
+    checkpoints = commands.add_parser(
+        "checkpoints", help="list or inspect snapshots: step, positions, sizes, completeness",
+        description="`list ROOT` shows every snapshot under a checkpoint.path; `inspect PATH` shows one snapshot "
+                    "(or the newest complete one under ROOT): its Kafka positions, trained-event counts per "
+                    "partition, world size, versions and config fingerprint. Exit 1 if it is incomplete.")
+    checkpoints.add_argument("action", choices=["list", "inspect"])
+    checkpoints.add_argument("path", type=str)
+    checkpoints.set_defaults(run=_checkpoints)
 
     demo = commands.add_parser(
         "demo", help="local Kafka + synthetic stream + a worker training on it, until Ctrl-C",

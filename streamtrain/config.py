@@ -142,6 +142,16 @@ class DistributedConfig(_Strict):
     plan_path: Path | None = None
 
 
+class CheckpointConfig(_Strict):
+    # A local or shared directory, or an fsspec URL (s3://...); unset disables checkpointing, and
+    # the worker then starts from the consumer group's committed offsets.
+    path: str | None = None
+    interval_seconds: float = Field(default=300.0, gt=0)
+    # Also snapshot every N steps; unset: time only.
+    interval_steps: int | None = Field(default=None, gt=0)
+    keep_last: int = Field(default=3, gt=0)
+
+
 class WorkerConfig(_Strict):
     kafka: KafkaConfig
     features: FeaturesConfig
@@ -149,6 +159,7 @@ class WorkerConfig(_Strict):
     batching: BatchingConfig = BatchingConfig()
     metrics: MetricsConfig = MetricsConfig()
     distributed: DistributedConfig = DistributedConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @model_validator(mode="after")
     def _dlrm_shapes(self) -> "WorkerConfig":

@@ -93,6 +93,16 @@ class WorkerMetrics:
             "AUC of scores given before training on each event (test-then-train), over the last "
             "auc_window events.", ["task"], registry=registry)
         self.progressive_auc = ProgressiveAUC(auc_window)
+        self.checkpoint_seconds = Histogram(
+            "streamtrain_checkpoint_seconds", "From starting a snapshot to its commit.",
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=registry)
+        self.checkpoint_bytes = Gauge("streamtrain_checkpoint_bytes", "Size of the last committed snapshot.",
+                                      registry=registry)
+        self.checkpoint_last_success = Gauge(
+            "streamtrain_checkpoint_last_success_timestamp_seconds", "When the last snapshot was committed.",
+            registry=registry)
+        self.checkpoint_failures = Counter("streamtrain_checkpoint_failures", "Snapshots that failed to write.",
+                                           registry=registry)
         self._server = None
 
     def serve(self, host: str, port: int) -> int:

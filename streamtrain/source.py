@@ -29,12 +29,16 @@ class RawEvent:
 class KafkaSource:
     """Reads the partitions ``p`` of ``config.topic`` with ``p % world_size == rank``.
 
+    Reading starts at ``start_offsets`` (a restored snapshot's) if given, else at the consumer
+    group's committed offsets, else at the earliest offset.
+
     ``until_end`` captures each partition's end offset at start-up; once every partition has been
     read up to it, ``exhausted`` turns true. ``max_events`` bounds the total read instead.
     """
 
     def __init__(self, config: KafkaConfig, rank: int = 0, world_size: int = 1, *, until_end: bool = False,
-                 max_events: int | None = None, metadata_timeout: float = 30.0):
+                 max_events: int | None = None, start_offsets: dict[int, int] | None = None,
+                 metadata_timeout: float = 30.0):
         self.config = config
         self.topic = config.topic
         self.consumer = Consumer({
@@ -64,10 +68,13 @@ class KafkaSource:
                         "than others and will be busier", self.topic, len(all_partitions), world_size)
         self.next_offset: dict[int, int] = {}
         self.end_offset: dict[int, int] = {}
-        committed = _retrying(lambda: self.consumer.committed(
-            [TopicPartition(self.topic, p) for p in self.partitions], timeout=5), metadata_timeout)
+        if start_offsets is None:
+            starts = _retrying(lambda: self.consumer.committed(
+                [TopicPartition(self.topic, p) for p in self.partitions], timeout=5), metadata_timeout)
+        else:  # a restored snapshot's positions; a partition it does not know starts at the beginning
+            starts = [TopicPartition(self.topic, p, start_offsets.get(p, OFFSET_BEGINNING)) for p in self.partitions]
         assignment = []
-        for tp in committed:
+        for tp in starts:
             start = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
             assignment.append(TopicPartition(self.topic, tp.partition, start))
             if start == OFFSET_BEGINNING:

@@ -162,7 +162,8 @@ class Trainer:
         sharders = [EmbeddingBagCollectionSharder()]
         self.model = DistributedModelParallel(
             module=model, device=env.device, plan=self.plan, sharders=sharders,
-            env=ShardingEnv.from_process_group(dist.group.WORLD),
+            # DTensor state lets dcp.async_save stage the sharded tables (ShardedTensor cannot).
+            env=ShardingEnv(env.world_size, env.rank, dist.group.WORLD, output_dtensor=True),
         )
         dense_optimizer = KeyedOptimizerWrapper(
             dict(in_backward_optimizer_filter(self.model.named_parameters())),

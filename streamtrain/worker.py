@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -14,6 +15,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from streamtrain.batch import Lockstep, Prefetcher
+from streamtrain.checkpoint import Checkpointer, StreamState
 from streamtrain.config import WorkerConfig
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.metrics import WorkerMetrics
@@ -99,7 +101,91 @@ class _Progress:
         self.last_time, self.last_trained, self.last_loss_sum = now, trained, loss_sum
 
 
-def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int | None = None) -> int:
+class _Snapshots:
+    """When to snapshot, and the stream state a snapshot records, for one rank.
+
+    Without ``checkpoint.path`` it only tracks positions, and commits the trained ones to the
+    consumer group now and then. With it, the group only ever hears positions that are durable in
+    a committed snapshot.
+    """
+
+    def __init__(self, config: WorkerConfig, checkpointer: Checkpointer | None, restored: StreamState | None,
+                 source: KafkaSource, prefetcher: Prefetcher):
+        self.config = config
+        self.checkpointer = checkpointer
+        self.source = source
+        self.prefetcher = prefetcher
+        base = restored or StreamState()
+        self.base_step = base.step
+        self.state = StreamState(
+            step=base.step,
+            next_offsets=dict(source.next_offset),
+            trained={p: base.trained.get(p, 0) for p in source.partitions},
+            event_time_high_water_ms=base.event_time_high_water_ms,
+        )
+        self.requested = threading.Event()  # SIGUSR1
+        self.last_commit = time.monotonic()
+
+    def votes(self) -> dict[str, tuple[Callable[[], bool], str]]:
+        if self.checkpointer is None:
+            return {}
+        return {"checkpoint": (self._due, "any"), "saved": (self.checkpointer.save_done, "all")}
+
+    def _due(self) -> bool:
+        checkpointer, interval = self.checkpointer, self.config.checkpoint
+        if checkpointer.save_in_flight:
+            return False
+        return (self.requested.is_set()
+                or time.monotonic() - checkpointer.last_saved_at >= interval.interval_seconds
+                or bool(interval.interval_steps and self.state.step - checkpointer.last_saved_step
+                        >= interval.interval_steps))
+
+    def record(self, result: StepResult) -> None:
+        state = self.state
+        state.step = self.base_step + result.step
+        for partition, span in result.batch.spans.items():
+            state.next_offsets[partition] = span.next_offset
+            state.trained[partition] = state.trained.get(partition, 0) + span.events
+        if result.batch.size:
+            state.event_time_high_water_ms = max(state.event_time_high_water_ms,
+                                                 int(result.batch.event_time_ms.max()))
+
+    def act(self, agreed: dict[str, bool]) -> None:
+        """After a step: commit a finished snapshot, or start one, as every rank agreed."""
+        if self.checkpointer is None:
+            if time.monotonic() - self.last_commit >= self.config.metrics.log_interval_seconds:
+                self.prefetcher.commit_soon(self.state.next_offsets)
+                self.last_commit = time.monotonic()
+        elif agreed.get("saved") and self.checkpointer.save_in_flight:
+            self._committed(self.checkpointer.finish_save(), self.prefetcher.commit_soon)
+        elif agreed.get("checkpoint") and not self.checkpointer.save_in_flight:
+            self.requested.clear()
+            self.checkpointer.start_save(_copy(self.state))
+
+    def close(self, clean: bool) -> None:
+        """At the end: with every rank here (``clean``), finish the save in flight and take a last
+        snapshot; then tell the consumer group the durable positions. The prefetch thread has
+        stopped, so the consumer is called directly."""
+        if self.checkpointer is None:
+            self.source.commit(self.state.next_offsets)
+            return
+        if not clean:
+            return
+        if self.checkpointer.save_in_flight:
+            self._committed(self.checkpointer.finish_save(), self.source.commit)
+        if self.state.step > self.checkpointer.last_saved_step:
+            self._committed(self.checkpointer.save(_copy(self.state)), self.source.commit)
+
+    def _committed(self, stream: StreamState, commit: Callable[[dict[int, int]], None]) -> None:
+        commit({p: o for p, o in stream.next_offsets.items() if p in self.source.partitions})
+
+
+def _copy(state: StreamState) -> StreamState:
+    return StreamState(state.step, dict(state.next_offsets), dict(state.trained), state.event_time_high_water_ms)
+
+
+def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int | None = None,
+               allow_partial_restore: bool = False) -> int:
     """Train until the end offsets (``until_end``), ``max_events``, or SIGTERM/SIGINT; returns the exit code.
 
     Under torchrun every rank runs this; the ranks step in lockstep (see ``Lockstep``).
@@ -110,33 +196,43 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
     port = metrics.serve(config.metrics.host, config.metrics.port and config.metrics.port + env.local_rank)
     log.info("rank %d/%d: metrics on http://%s:%d/metrics", env.rank, env.world_size, config.metrics.host, port)
 
-    source = KafkaSource(config.kafka, env.rank, env.world_size, until_end=until_end, max_events=max_events)
     trainer = Trainer(config, env)
     if env.rank == 0:
         log.info("sharding plan:\n%s", describe_plan(trainer.plan, config, env.world_size))
         if config.distributed.plan_path:
             write_plan_json(trainer.plan, config, env.world_size, config.distributed.plan_path)
+
+    def own_group() -> dist.ProcessGroup | None:
+        # The lockstep vote and the background checkpoint writes each get a gloo group of their own,
+        # so they never interleave with the pipeline's collectives or with each other.
+        timeout = timedelta(seconds=config.distributed.timeout_seconds)
+        return dist.new_group(backend="gloo", timeout=timeout) if env.world_size > 1 else None
+
+    checkpointer, restored = None, None
+    if config.checkpoint.path:
+        checkpointer = Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, env.rank,
+                                    env.world_size, own_group(), metrics)
+        restored = checkpointer.restore(allow_partial_restore)
+        if restored is None:
+            log.info("no snapshot under %s: starting from the earliest offsets", config.checkpoint.path)
+    source = KafkaSource(config.kafka, env.rank, env.world_size, until_end=until_end, max_events=max_events,
+                         start_offsets=(restored.next_offsets if restored else {}) if checkpointer else None)
     decoder = AvroBatchDecoder(config.features)
     prefetcher = Prefetcher(source, decoder, config.batching, metrics)
-    steps = Lockstep(prefetcher, lambda: decoder.decode([]).batch, env.world_size,
-                     # its own group, so the vote never interleaves with the pipeline's collectives
-                     dist.new_group(backend="gloo", timeout=timedelta(seconds=config.distributed.timeout_seconds))
-                     if env.world_size > 1 else None,
-                     flush_after_seconds=config.batching.max_batch_wait_ms / 1000)
-    _stop_on_signals(prefetcher)
-    progress = _Progress(metrics, env.rank, source.topic, config.metrics.log_interval_seconds, prefetcher.queue.qsize)
-    trained_to: dict[int, int] = {}
-    last_commit = time.monotonic()
+    snapshots = _Snapshots(config, checkpointer, restored, source, prefetcher)
+    steps = Lockstep(prefetcher, lambda: decoder.decode([]).batch, env.world_size, own_group(),
+                     flush_after_seconds=config.batching.max_batch_wait_ms / 1000, votes=snapshots.votes())
+    _stop_on_signals(prefetcher, snapshots.requested)
+    progress = _Progress(metrics, env.rank, source.topic, config.metrics.log_interval_seconds,
+                         prefetcher.queue.qsize)
     exit_code = 0
     prefetcher.start()
     try:
         with progress:
             for result in trainer.train(steps):
                 progress.record(result, steps.global_batch_size)
-                trained_to.update({p: span.next_offset for p, span in result.batch.spans.items()})
-                if time.monotonic() - last_commit >= config.metrics.log_interval_seconds:
-                    prefetcher.commit_soon(trained_to)
-                    last_commit = time.monotonic()
+                snapshots.record(result)
+                snapshots.act(steps.take_agreed())
     except RuntimeError as error:
         if not _is_collective_failure(error):
             raise
@@ -145,11 +241,13 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
         exit_code = 1
     finally:
         prefetcher.join(timeout=SHUTDOWN_GRACE_SECONDS)
-        source.commit(trained_to)  # the prefetch thread has stopped: the consumer is ours now
-        source.close()
-        metrics.close()
+        try:
+            snapshots.close(clean=exit_code == 0 and sys.exc_info()[0] is None)
+        finally:
+            source.close()
+            metrics.close()
     log.info("rank %d stopped after %d steps, %s; positions %s", env.rank, trainer.step, progress.summary(),
-             dict(sorted(trained_to.items())))
+             dict(sorted(snapshots.state.next_offsets.items())))
     return exit_code
 
 
@@ -159,8 +257,10 @@ def _is_collective_failure(error: RuntimeError) -> bool:
     return isinstance(error, dist.DistError) or "gloo" in text or "NCCL" in text
 
 
-def _stop_on_signals(prefetcher: Prefetcher) -> None:
-    """SIGTERM/SIGINT: stop consuming, finish the batches in flight, exit; a watchdog bounds the wait."""
+def _stop_on_signals(prefetcher: Prefetcher, snapshot_requested: threading.Event) -> None:
+    """SIGTERM/SIGINT: stop consuming, finish the batches in flight, exit; a watchdog bounds the wait.
+    SIGUSR1: take a snapshot now."""
+    signal.signal(signal.SIGUSR1, lambda *_: snapshot_requested.set())
 
     def handle(signum: int, _frame: object) -> None:
         if prefetcher.stopping.is_set():

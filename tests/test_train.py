@@ -34,7 +34,7 @@ def table_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     weights = {}
     for name, value in trainer.model.state_dict().items():
         if "embedding_bags" in name:
-            local = value.local_shards()[0].tensor if hasattr(value, "local_shards") else value
+            local = value.to_local() if hasattr(value, "to_local") else value
             weights[name.split(".")[-2]] = local.detach().clone()
     return weights
 
