@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from streamtrain.config import CheckpointConfig, WorkerConfig
 from streamtrain.schema import load_schema
@@ -33,6 +34,7 @@ from streamtrain.schema import load_schema
 log = logging.getLogger(__name__)
 
 MARKER = "streamtrain.json"
+_ASYNC_MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
 PARTIAL = ".partial"
 FORMAT_VERSION = 1
 
@@ -215,7 +217,7 @@ class Checkpointer:
         started = time.monotonic()
         # async_save stages (copies) the state before it returns: training may go on at once.
         future = dcp.async_save(self._state_dict(stream.to_json()), storage_writer=writer,
-                                process_group=self.group)
+                                process_group=self.group, async_checkpointer_type=_ASYNC_MODES[self.config.async_mode])
         self.in_flight = (future, path, stream, started)
 
     def finish_save(self) -> StreamState:

@@ -151,6 +151,19 @@ def _checkpoints(args: argparse.Namespace) -> int:
     return 0 if snapshot.complete else 1
 
 
+def _bench(args: argparse.Namespace) -> int:
+    from streamtrain import bench
+    from streamtrain.config import load_config
+
+    config = load_config(args.config)
+    seconds, rounds = (4.0, 1) if args.quick else (args.seconds, args.rounds)
+    result = bench.bench_checkpoint(config, seconds, rounds, args.interval_seconds,
+                                    progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(bench.report(result))
+    print(f"results: {bench.save(result)}")
+    return 0
+
+
 def _step_dir_name(path: Path) -> str | None:
     name = str(path).rstrip("/").rsplit("/", 1)[-1]
     return name if name.startswith("step-") else None
@@ -223,6 +236,18 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints.add_argument("action", choices=["list", "inspect"])
     checkpoints.add_argument("path", type=str)
     checkpoints.set_defaults(run=_checkpoints)
+
+    bench = commands.add_parser(
+        "bench", help="benchmarks that run a contender beside its baseline and print the ratio",
+        description="checkpoint: training throughput with an async snapshot every --interval-seconds against "
+                    "none, in alternating legs on one trainer and the same in-memory batches.")
+    bench.add_argument("name", choices=["checkpoint"])
+    bench.add_argument("--config", type=Path, default=PACKAGE_ROOT / "deploy" / "worker.yaml")
+    bench.add_argument("--seconds", type=float, default=20.0, help="length of each leg (default 20)")
+    bench.add_argument("--rounds", type=int, default=2, help="baseline/contender pairs (default 2)")
+    bench.add_argument("--interval-seconds", type=float, default=3.0, help="snapshot interval (default 3)")
+    bench.add_argument("--quick", action="store_true", help="one short round: proves it runs, judges nothing")
+    bench.set_defaults(run=_bench)
 
     demo = commands.add_parser(
         "demo", help="local Kafka + synthetic stream + a worker training on it, until Ctrl-C",

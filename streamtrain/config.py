@@ -150,6 +150,9 @@ class CheckpointConfig(_Strict):
     # Also snapshot every N steps; unset: time only.
     interval_steps: int | None = Field(default=None, gt=0)
     keep_last: int = Field(default=3, gt=0)
+    # Where dcp.async_save writes: a thread of the worker, or a helper process that does not
+    # compete with training for the GIL.
+    async_mode: Literal["thread", "process"] = "thread"
 
 
 class WorkerConfig(_Strict):
@@ -180,7 +183,8 @@ def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict
     """Return a copy of ``raw`` with every STREAMTRAIN_A__B__C variable written to raw[a][b][c]."""
     merged = json.loads(json.dumps(raw, default=str))
     for name, value in sorted(environ.items()):
-        if not name.startswith(ENV_PREFIX):
+        # Only STREAMTRAIN_<SECTION>__<FIELD> names are config; others (STREAMTRAIN_KAFKA_LIBS) are not.
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
             continue
         path = name[len(ENV_PREFIX):].lower().split("__")
         node: Any = merged

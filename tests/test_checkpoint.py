@@ -139,11 +139,15 @@ def final_stream(root: Path) -> dict:
     return json.loads(result.stdout)
 
 
+def rank_steps(ranks) -> str:
+    return "/".join(str(int(r.scrape().get("streamtrain_global_step", -1))) for r in ranks)
+
+
 def test_exactly_once_across_random_sigkills(kafka, topic_name, start_ranks, tmp_path):
     root = tmp_path / "snapshots"
     env = {"STREAMTRAIN_CHECKPOINT__PATH": str(root), "STREAMTRAIN_CHECKPOINT__INTERVAL_STEPS": "3",
            "STREAMTRAIN_DISTRIBUTED__TIMEOUT_SECONDS": "10"}
-    trials_wanted = int(os.environ.get("STREAMTRAIN_KILL_TRIALS", "5"))  # more in a long, on-demand run
+    trials_wanted = int(os.environ.get("STREAMTRAIN_TEST_KILL_TRIALS", "5"))  # more in a long, on-demand run
     produce(kafka.bootstrap_servers, topic_name, 200, partitions=PARTITIONS, seed=40, schema_path=SCHEMA)
     live_events = 5000 * trials_wanted
     producer = subprocess.Popen(  # a live stream at 2,000 events/s while ranks are killed
@@ -160,11 +164,13 @@ def test_exactly_once_across_random_sigkills(kafka, topic_name, start_ranks, tmp
             time.sleep(rng.uniform(0.0, 2.0))
             victim = rng.choice(["rank 0", "rank 1", "all"])
             targets = ranks if victim == "all" else [ranks[int(victim[-1])]]
+            steps_at_kill = rank_steps(ranks)
             for rank in targets:
                 rank.signal(signal.SIGKILL)
             codes = [r.wait(timeout=60) for r in ranks]
             assert all(code != 0 for code in codes), f"trial {trial}: {codes}"
             trials.append(victim)
+            print(f"kill trial {trial + 1}: SIGKILL to {victim} at step {steps_at_kill}")
     finally:
         assert producer.wait(timeout=120 + live_events / 2000) == 0, producer.stderr.read().decode()
     produced = end_offsets(kafka, topic_name)

@@ -27,6 +27,7 @@ def test_environment_overrides_any_field():
         "STREAMTRAIN_FEATURES__TABLES__0__NUM_EMBEDDINGS": "1000",
         "STREAMTRAIN_MODEL__OVER_ARCH_LAYER_SIZES": "[128, 1]",
         "UNRELATED": "x",
+        "STREAMTRAIN_KAFKA_LIBS": "/not/a/config/field",
     })
     assert config.kafka.bootstrap_servers == "broker-1:9092,broker-2:9092"
     assert config.batching.batch_size == 512
