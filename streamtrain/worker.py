@@ -66,7 +66,6 @@ class _Progress:
             if span.events:
                 metrics.events_trained.labels(self.topic, str(partition)).inc(span.events)
         metrics.batches.inc()
-        metrics.global_step.set(result.step)
         if batch.size:
             metrics.loss.set(result.loss_sum / batch.size)
             metrics.progressive_auc.add(result.logits.float().cpu().numpy(), result.labels.cpu().numpy())
@@ -232,6 +231,7 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
             for result in trainer.train(steps):
                 progress.record(result, steps.global_batch_size)
                 snapshots.record(result)
+                metrics.global_step.set(snapshots.state.step)  # continues from a restored snapshot's step
                 snapshots.act(steps.take_agreed())
     except RuntimeError as error:
         if not _is_collective_failure(error):
