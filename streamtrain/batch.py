@@ -34,7 +34,7 @@ class Prefetcher:
     """Decodes batches ahead of the trainer on its own thread; ``get`` hands them over."""
 
     def __init__(self, source: KafkaSource, decoder: AvroBatchDecoder, config: BatchingConfig,
-                 metrics: WorkerMetrics):
+                 metrics: WorkerMetrics, lag_refresh_seconds: float = 5.0):
         self.source = source
         self.decoder = decoder
         self.config = config
@@ -45,6 +45,8 @@ class Prefetcher:
         self._ended = False
         self._commit_lock = threading.Lock()
         self._pending_commit: dict[int, int] = {}
+        self.lag_refresh_seconds = lag_refresh_seconds
+        self._lag_refreshed = 0.0
         self.thread = threading.Thread(target=self._run, name="streamtrain-prefetch", daemon=True)
         metrics.queue_capacity.set(config.queue_size)
 
@@ -95,6 +97,7 @@ class Prefetcher:
         try:
             while not self.stopping.is_set() and not self.source.exhausted:
                 self._commit_pending()
+                self._refresh_lag()
                 events = self._collect()
                 if events:
                     self._put(self._decode(events))
@@ -120,15 +123,27 @@ class Prefetcher:
         return events
 
     def _decode(self, events: list[RawEvent]) -> ClickBatch:
-        topic = self.source.topic
+        topic, metrics = self.source.topic, self.metrics
         for partition in {e.partition for e in events}:
-            self.metrics.events_consumed.labels(topic, str(partition)).inc(
-                sum(1 for e in events if e.partition == partition))
+            mine = [e for e in events if e.partition == partition]
+            metrics.events_consumed.labels(topic, str(partition)).inc(len(mine))
+            metrics.consumed_bytes.labels(topic, str(partition)).inc(sum(len(e.value or b"") for e in mine))
+        started = time.perf_counter()
         result = self.decoder.decode(events)
+        metrics.decode_seconds.observe(time.perf_counter() - started)
         for event, reason in result.rejected:
             log.warning("dropping %s[%d]@%d: %s", topic, event.partition, event.offset, reason)
-            self.metrics.events_dropped.labels(topic, str(event.partition), reason.split(":")[0]).inc()
+            kind = reason.split(":")[0]
+            metrics.events_dropped.labels(topic, str(event.partition), kind).inc()
+            metrics.decode_errors.labels(kind).inc()
         return result.batch
+
+    def _refresh_lag(self) -> None:
+        if time.monotonic() - self._lag_refreshed < self.lag_refresh_seconds:
+            return
+        self._lag_refreshed = time.monotonic()
+        for partition, lag in self.source.lag().items():
+            self.metrics.consumer_lag.labels(self.source.topic, str(partition)).set(lag)
 
     def _put(self, item: object) -> None:
         while True:
@@ -158,7 +173,8 @@ class Lockstep:
 
     def __init__(self, prefetcher: Prefetcher, empty_batch: Callable[[], ClickBatch], world_size: int,
                  group: dist.ProcessGroup | None, flush_after_seconds: float,
-                 votes: dict[str, tuple[Callable[[], bool], str]] | None = None):
+                 votes: dict[str, tuple[Callable[[], bool], str]] | None = None,
+                 heartbeat: Callable[[], None] = lambda: None):
         """``votes`` names extra questions put to every rank each step, each with "any" or "all":
         e.g. {"checkpoint": (due, "any")}. ``take_agreed()`` returns the answers of the last vote.
         An agreed question is a reason to step even when no rank has data."""
@@ -168,6 +184,7 @@ class Lockstep:
         self.group = group
         self.flush_after = flush_after_seconds
         self.votes = votes or {}
+        self.heartbeat = heartbeat  # the loop turns at least every IDLE_WAIT_SECONDS unless it hangs
         self.agreed: dict[str, bool] = dict.fromkeys(self.votes, False)
         self.global_batch_size = 0
 
@@ -184,6 +201,7 @@ class Lockstep:
         busy = False
         last_step = time.monotonic()
         while True:
+            self.heartbeat()
             batch = self.prefetcher.get(self.BUSY_WAIT_SECONDS if busy else self.IDLE_WAIT_SECONDS)
             votes = torch.tensor([
                 batch.size if batch is not None else 0,

@@ -133,6 +133,10 @@ class MetricsConfig(_Strict):
     port: int = Field(default=9100, ge=0, le=65535)
     log_interval_seconds: float = Field(default=5.0, gt=0)
     auc_window: int = Field(default=100_000, gt=0)
+    # /healthz fails once the training loop has not turned for this long (a hung collective, say).
+    stall_seconds: float = Field(default=120.0, gt=0)
+    # How often the consumer lag per partition is refreshed.
+    lag_refresh_seconds: float = Field(default=5.0, gt=0)
 
 
 class DistributedConfig(_Strict):

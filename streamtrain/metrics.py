@@ -7,10 +7,14 @@ One registry per worker, served on ``metrics.host:metrics.port``.
 from __future__ import annotations
 
 import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections import deque
+from typing import Callable
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 
 
 def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
@@ -33,8 +37,29 @@ def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float((ranks[labels].sum() - positives * (positives + 1) / 2.0) / (positives * negatives))
 
 
-class ProgressiveAUC:
-    """AUC of the model's scores on events it had not yet trained on, over the last ``window`` events."""
+def _log_loss(p: np.ndarray, y: np.ndarray) -> np.ndarray:
+    p = np.clip(p, 1e-7, 1 - 1e-7)
+    return -(y * np.log(p) + (1 - y) * np.log(1 - p))
+
+
+def _quality(bce_sum: float, label_sum: float, prob_sum: float, n: float, auc: float) -> dict[str, float]:
+    """AUC; NE (cross-entropy over the entropy of the base rate, < 1 beats predicting the rate);
+    calibration (predicted over actual clicks, 1 is calibrated)."""
+    if n == 0 or label_sum == 0:
+        return {"auc": auc, "ne": float("nan"), "calibration": float("nan")}
+    rate = label_sum / n
+    base = float(_log_loss(np.array([rate]), np.array([rate]))[0]) if 0 < rate < 1 else float("nan")
+    return {"auc": auc, "ne": (bce_sum / n) / base if base else float("nan"), "calibration": prob_sum / label_sum}
+
+
+class ProgressiveQuality:
+    """Test-then-train quality of the click model: scores given before training on each event.
+
+    Windowed values are exact over the last ``window`` events. Lifetime NE and calibration are
+    exact running sums; lifetime AUC is computed from 10,000 probability bins.
+    """
+
+    BINS = 10_000
 
     def __init__(self, window: int):
         self.scores: deque[np.ndarray] = deque()
@@ -42,22 +67,103 @@ class ProgressiveAUC:
         self.window = window
         self.held = 0
         self.lock = threading.Lock()
+        self.positives = np.zeros(self.BINS)
+        self.negatives = np.zeros(self.BINS)
+        self.sums = np.zeros(4)  # bce, labels, probabilities, events
 
-    def add(self, scores: np.ndarray, labels: np.ndarray) -> None:
+    def add(self, logits: np.ndarray, labels: np.ndarray) -> None:
+        probabilities = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+        labels = labels.astype(np.float64)
+        bins = np.minimum((probabilities * self.BINS).astype(np.int64), self.BINS - 1)
         with self.lock:
-            self.scores.append(scores)
+            self.scores.append(probabilities)
             self.labels.append(labels)
-            self.held += scores.size
+            self.held += probabilities.size
             while self.held - self.scores[0].size >= self.window:
                 self.held -= self.scores.popleft().size
                 self.labels.popleft()
+            self.positives += np.bincount(bins, weights=labels, minlength=self.BINS)
+            self.negatives += np.bincount(bins, weights=1 - labels, minlength=self.BINS)
+            self.sums += (_log_loss(probabilities, labels).sum(), labels.sum(), probabilities.sum(), labels.size)
 
     def value(self) -> float:
+        """Windowed AUC."""
+        return self.compute()["window"]["auc"]
+
+    def compute(self) -> dict[str, dict[str, float]]:
         with self.lock:
             if not self.scores:
-                return float("nan")
-            scores, labels = np.concatenate(self.scores), np.concatenate(self.labels)
-        return roc_auc(scores[-self.window:], labels[-self.window:])
+                nan = float("nan")
+                return {w: {"auc": nan, "ne": nan, "calibration": nan} for w in ("window", "lifetime")}
+            p = np.concatenate(self.scores)[-self.window:]
+            y = np.concatenate(self.labels)[-self.window:]
+            positives, negatives, sums = self.positives.copy(), self.negatives.copy(), self.sums.copy()
+        # binned AUC: P(score_pos > score_neg) + half the ties within a bin
+        below = np.cumsum(negatives) - negatives
+        pairs = positives.sum() * negatives.sum()
+        lifetime_auc = float(((positives * below).sum() + 0.5 * (positives * negatives).sum()) / pairs) \
+            if pairs else float("nan")
+        return {
+            "window": _quality(float(_log_loss(p, y).sum()), float(y.sum()), float(p.sum()), float(y.size),
+                               roc_auc(p, y)),
+            "lifetime": _quality(*sums, lifetime_auc),
+        }
+
+
+class BulkHistogram:
+    """A Prometheus histogram fed a whole array at a time with numpy: one observe() call per
+    event would cost more than the training step for large batches."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry):
+        self.name, self.documentation = name, documentation
+        self.bounds = np.array(buckets, dtype=np.float64)
+        self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)
+        self.sum = 0.0
+        self.lock = threading.Lock()
+        registry.register(self)
+
+    def observe_many(self, values: np.ndarray) -> None:
+        if values.size == 0:
+            return
+        index = np.searchsorted(self.bounds, values, side="left")
+        with self.lock:
+            self.counts += np.bincount(index, minlength=self.counts.size)
+            self.sum += float(values.sum())
+
+    def collect(self):
+        with self.lock:
+            cumulative = np.cumsum(self.counts)
+            total = self.sum
+        family = HistogramMetricFamily(self.name, self.documentation)
+        buckets = [(repr(float(b)), int(c)) for b, c in zip(self.bounds, cumulative[:-1])]
+        buckets.append(("+Inf", int(cumulative[-1])))
+        family.add_metric([], buckets, total)
+        yield family
+
+
+class Health:
+    """What /healthz and /readyz answer: the training loop's heartbeat, and readiness."""
+
+    def __init__(self, stall_seconds: float):
+        self.stall_seconds = stall_seconds
+        self.last_beat = time.monotonic()
+        self.ready = False
+        self.not_ready_reason = "starting: restoring state"
+        self.readiness: Callable[[], bool] = lambda: True  # after start-up: is the broker reachable?
+
+    def beat(self) -> None:
+        self.last_beat = time.monotonic()
+
+    def healthz(self) -> tuple[int, str]:
+        quiet = time.monotonic() - self.last_beat
+        if quiet > self.stall_seconds:
+            return 503, f"training loop stalled: no heartbeat for {quiet:.1f}s (threshold {self.stall_seconds:.0f}s)\n"
+        return 200, "ok\n"
+
+    def readyz(self) -> tuple[int, str]:
+        if self.ready and self.readiness():
+            return 200, "ready\n"
+        return 503, f"not ready: {self.not_ready_reason}\n"
 
 
 class WorkerMetrics:
@@ -88,11 +194,44 @@ class WorkerMetrics:
                                  registry=registry)
         self.queue_capacity = Gauge("streamtrain_prefetch_queue_capacity", "Capacity of the prefetch queue.",
                                     registry=registry)
-        self.progressive_auc_gauge = Gauge(
-            "streamtrain_progressive_auc",
-            "AUC of scores given before training on each event (test-then-train), over the last "
-            "auc_window events.", ["task"], registry=registry)
-        self.progressive_auc = ProgressiveAUC(auc_window)
+        quality_labels = ["task", "window"]
+        self.quality_gauges = {
+            "auc": Gauge("streamtrain_progressive_auc",
+                         "AUC of scores given before training on each event (test-then-train); window is "
+                         "'window' (the last metrics.auc_window events) or 'lifetime'.", quality_labels,
+                         registry=registry),
+            "ne": Gauge("streamtrain_progressive_ne",
+                        "Normalized entropy of test-then-train scores: cross-entropy over the entropy of the "
+                        "click rate; below 1 beats predicting the rate.", quality_labels, registry=registry),
+            "calibration": Gauge("streamtrain_progressive_calibration",
+                                 "Predicted clicks over actual clicks (1 is calibrated).", quality_labels,
+                                 registry=registry),
+        }
+        self.progressive_auc = ProgressiveQuality(auc_window)
+        self.consumer_lag = Gauge("streamtrain_consumer_lag_events",
+                                  "High watermark minus the read position, per owned partition.", tp,
+                                  registry=registry)
+        self.consumed_bytes = Counter("streamtrain_consumed_bytes", "Payload bytes read from Kafka.", tp,
+                                      registry=registry)
+        self.kafka_errors = Counter("streamtrain_kafka_errors", "Errors reported by the Kafka client, by code.",
+                                    ["code"], registry=registry)
+        self.decode_seconds = Histogram(
+            "streamtrain_decode_seconds", "Time to decode one batch of payloads into a KJT batch.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0), registry=registry)
+        self.decode_errors = Counter("streamtrain_decode_errors", "Payloads that could not become examples.",
+                                     ["reason"], registry=registry)
+        self.batch_events = Histogram(
+            "streamtrain_batch_events", "Events in each batch this rank trained (0 for a lockstep filler).",
+            buckets=(0, 1, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=registry)
+        self.data_wait_seconds = Histogram(
+            "streamtrain_data_wait_seconds", "Time a step waited for data and for the ranks' vote.",
+            buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0), registry=registry)
+        self.compute_seconds = Histogram(
+            "streamtrain_compute_seconds", "Time a step spent in forward, backward and optimizer.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=registry)
+        self.freshness = BulkHistogram(
+            "streamtrain_freshness_seconds", "Time from an event's event_time to the update that trained it.",
+            (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600, 21600, 86400), registry)
         self.checkpoint_seconds = Histogram(
             "streamtrain_checkpoint_seconds", "From starting a snapshot to its commit.",
             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=registry)
@@ -105,9 +244,32 @@ class WorkerMetrics:
                                            registry=registry)
         self._server = None
 
-    def serve(self, host: str, port: int) -> int:
-        """Start the HTTP endpoint; returns the bound port (useful when ``port`` is 0)."""
-        self._server, _thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, health: Health) -> int:
+        """Serve /metrics, /healthz and /readyz; returns the bound port (useful when ``port`` is 0)."""
+        registry = self.registry
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+                path = self.path.split("?")[0]
+                if path == "/metrics":
+                    status, body, kind = 200, generate_latest(registry), CONTENT_TYPE_LATEST
+                elif path in ("/healthz", "/readyz"):
+                    status, text = health.healthz() if path == "/healthz" else health.readyz()
+                    body, kind = text.encode(), "text/plain; charset=utf-8"
+                else:
+                    status, body, kind = 404, b"try /metrics, /healthz or /readyz\n", "text/plain"
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:  # scrapes every few seconds are not news
+                pass
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="streamtrain-metrics", daemon=True).start()
         return self._server.server_address[1]
 
     def close(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
@@ -38,10 +39,13 @@ class KafkaSource:
 
     def __init__(self, config: KafkaConfig, rank: int = 0, world_size: int = 1, *, until_end: bool = False,
                  max_events: int | None = None, start_offsets: dict[int, int] | None = None,
-                 metadata_timeout: float = 30.0):
+                 metadata_timeout: float = 30.0, on_error: Callable[[str], None] = lambda code: None):
         self.config = config
         self.topic = config.topic
+        self.on_error = on_error
+        self.brokers_down = False
         self.consumer = Consumer({
+            "error_cb": self._client_error,
             **config.librdkafka(),
             "group.id": config.group_id,
             "enable.auto.commit": False,
@@ -90,6 +94,22 @@ class KafkaSource:
         log.info("rank %d/%d owns partitions %s of %s (of %d); starting at %s", rank, world_size,
                  self.partitions, self.topic, len(all_partitions), self.next_offset)
 
+    def _client_error(self, error: KafkaError) -> None:
+        self.on_error(error.name())
+        if error.code() == KafkaError._ALL_BROKERS_DOWN:
+            self.brokers_down = True
+        log.warning("Kafka client: %s", error.str())
+
+    def lag(self) -> dict[int, int]:
+        """High watermark minus read position per owned partition, from the watermarks the client
+        cached with its last fetches (no request); partitions not fetched yet are left out."""
+        lags = {}
+        for partition in self.partitions:
+            _low, high = self.consumer.get_watermark_offsets(TopicPartition(self.topic, partition), cached=True)
+            if high >= 0:
+                lags[partition] = max(high - self.next_offset[partition], 0)
+        return lags
+
     @property
     def exhausted(self) -> bool:
         if self.max_events is not None and self.consumed >= self.max_events:
@@ -106,7 +126,10 @@ class KafkaSource:
             time.sleep(timeout)
             return []
         events = []
-        for message in self.consumer.consume(num_messages=max_events, timeout=timeout):
+        messages = self.consumer.consume(num_messages=max_events, timeout=timeout)
+        if messages:
+            self.brokers_down = False
+        for message in messages:
             event = self._accept(message)
             if event is not None:
                 events.append(event)
@@ -122,6 +145,7 @@ class KafkaSource:
                 p = message.partition()
                 self.next_offset[p] = max(self.next_offset[p], message.offset())
                 return None
+            self.on_error(error.name())
             if error.fatal() or not error.retriable():
                 raise KafkaException(error)
             log.warning("Kafka: %s", error)

@@ -75,7 +75,8 @@ class StepResult:
     loss_sum: float
     logits: torch.Tensor
     labels: torch.Tensor
-    seconds: float
+    seconds: float  # the whole step
+    data_wait_seconds: float  # of which waiting for the next batch (and the ranks' vote)
 
 
 def plan_sharding(config: WorkerConfig, world_size: int, compute_device: str,
@@ -178,19 +179,27 @@ class Trainer:
         # The pipeline holds up to three batches and returns the output of the oldest, so the
         # batches it has taken and not yet returned form a FIFO beside it.
         taken: deque[ClickBatch] = deque()
+        waited = 0.0
 
         def feed() -> Iterator[ClickBatch]:
-            for batch in batches:
+            nonlocal waited
+            upstream = iter(batches)
+            while True:
+                asked = time.perf_counter()
+                batch = next(upstream, None)
+                waited += time.perf_counter() - asked
+                if batch is None:
+                    return
                 taken.append(batch)
                 yield batch
 
         source = feed()
         while True:
-            started = time.perf_counter()
+            started, waited = time.perf_counter(), 0.0
             try:
                 loss_sum, logits, labels = self.pipeline.progress(source)
             except StopIteration:
                 return
             self.step += 1
             yield StepResult(self.step, taken.popleft(), float(loss_sum), logits, labels,
-                             time.perf_counter() - started)
+                             time.perf_counter() - started, waited)

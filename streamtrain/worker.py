@@ -18,7 +18,7 @@ from streamtrain.batch import Lockstep, Prefetcher
 from streamtrain.checkpoint import Checkpointer, StreamState
 from streamtrain.config import WorkerConfig
 from streamtrain.decode import AvroBatchDecoder
-from streamtrain.metrics import WorkerMetrics
+from streamtrain.metrics import Health, WorkerMetrics
 from streamtrain.source import KafkaSource
 from streamtrain.train import StepResult, Trainer, describe_plan, init_distributed, write_plan_json
 
@@ -61,6 +61,9 @@ class _Progress:
     def record(self, result: StepResult, global_batch_size: int) -> None:
         batch, metrics = result.batch, self.metrics
         metrics.step_seconds.observe(result.seconds)
+        metrics.data_wait_seconds.observe(result.data_wait_seconds)
+        metrics.compute_seconds.observe(max(result.seconds - result.data_wait_seconds, 0.0))
+        metrics.batch_events.observe(batch.size)
         metrics.global_batch_size.set(global_batch_size)
         for partition, span in batch.spans.items():
             if span.events:
@@ -69,6 +72,7 @@ class _Progress:
         if batch.size:
             metrics.loss.set(result.loss_sum / batch.size)
             metrics.progressive_auc.add(result.logits.float().cpu().numpy(), result.labels.cpu().numpy())
+            metrics.freshness.observe_many(time.time() - batch.event_time_ms.cpu().numpy() / 1000.0)
         self.step = result.step
         if batch.size:
             self.first_trained_at = self.first_trained_at or time.monotonic()
@@ -91,10 +95,13 @@ class _Progress:
         events = trained - self.last_trained
         rate = events / max(now - self.last_time, 1e-9)
         loss = f"{(loss_sum - self.last_loss_sum) / events:.4f}" if events else "-"
-        auc = self.metrics.progressive_auc.value()
+        quality = self.metrics.progressive_auc.compute()
+        auc = quality["window"]["auc"]
         self.metrics.examples_per_second.set(rate)
-        if math.isfinite(auc):  # a rank that has seen no events of both classes has no AUC yet
-            self.metrics.progressive_auc_gauge.labels("clk").set(auc)
+        for window, values in quality.items():
+            for name, value in values.items():
+                if math.isfinite(value):  # a rank that has seen no clicks yet has no figures yet
+                    self.metrics.quality_gauges[name].labels("clk", window).set(value)
         log.info("rank %d step %d | trained %s events | %s events/s | loss %s | progressive AUC %.4f | queue %d",
                  self.rank, self.step, f"{trained:,}", f"{rate:,.0f}", loss, auc, self.queue_depth())
         self.last_time, self.last_trained, self.last_loss_sum = now, trained, loss_sum
@@ -192,7 +199,9 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
     env = init_distributed(config.distributed.timeout_seconds)
     metrics = WorkerMetrics(config.metrics.auc_window)
     metrics.info.info({"rank": str(env.rank), "world_size": str(env.world_size), "topic": config.kafka.topic})
-    port = metrics.serve(config.metrics.host, config.metrics.port and config.metrics.port + env.local_rank)
+    health = Health(config.metrics.stall_seconds)
+    port = metrics.serve(config.metrics.host, config.metrics.port and config.metrics.port + env.local_rank,
+                         health)
     log.info("rank %d/%d: metrics on http://%s:%d/metrics", env.rank, env.world_size, config.metrics.host, port)
 
     trainer = Trainer(config, env)
@@ -215,12 +224,17 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
         if restored is None:
             log.info("no snapshot under %s: starting from the earliest offsets", config.checkpoint.path)
     source = KafkaSource(config.kafka, env.rank, env.world_size, until_end=until_end, max_events=max_events,
-                         start_offsets=(restored.next_offsets if restored else {}) if checkpointer else None)
+                         start_offsets=(restored.next_offsets if restored else {}) if checkpointer else None,
+                         on_error=lambda code: metrics.kafka_errors.labels(code).inc())
+    health.ready = True  # the state is restored and the broker answered the source's metadata request
+    health.not_ready_reason = "the Kafka brokers are down"
+    health.readiness = lambda: not source.brokers_down
     decoder = AvroBatchDecoder(config.features)
-    prefetcher = Prefetcher(source, decoder, config.batching, metrics)
+    prefetcher = Prefetcher(source, decoder, config.batching, metrics, config.metrics.lag_refresh_seconds)
     snapshots = _Snapshots(config, checkpointer, restored, source, prefetcher)
     steps = Lockstep(prefetcher, lambda: decoder.decode([]).batch, env.world_size, own_group(),
-                     flush_after_seconds=config.batching.max_batch_wait_ms / 1000, votes=snapshots.votes())
+                     flush_after_seconds=config.batching.max_batch_wait_ms / 1000, votes=snapshots.votes(),
+                     heartbeat=health.beat)
     _stop_on_signals(prefetcher, snapshots.requested)
     progress = _Progress(metrics, env.rank, source.topic, config.metrics.log_interval_seconds,
                          prefetcher.queue.qsize)
@@ -229,6 +243,7 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
     try:
         with progress:
             for result in trainer.train(steps):
+                health.beat()
                 progress.record(result, steps.global_batch_size)
                 snapshots.record(result)
                 metrics.global_step.set(snapshots.state.step)  # continues from a restored snapshot's step

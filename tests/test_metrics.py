@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from streamtrain.metrics import ProgressiveAUC, roc_auc
+from streamtrain.metrics import ProgressiveQuality, roc_auc
 
 
 def brute_force_auc(scores, labels) -> float:
@@ -22,10 +22,33 @@ def test_roc_auc_of_one_class_is_nan():
     assert np.isnan(roc_auc(np.array([0.1, 0.2]), np.array([1, 1])))
 
 
-def test_progressive_auc_keeps_only_the_window():
-    auc = ProgressiveAUC(window=100)
-    auc.add(np.array([1.0] * 100), np.array([0] * 100))  # perfectly wrong, then pushed out
+def logit(p):
+    p = np.clip(np.asarray(p, dtype=float), 1e-6, 1 - 1e-6)
+    return np.log(p / (1 - p))
+
+
+def test_progressive_quality_keeps_only_the_window():
+    quality = ProgressiveQuality(window=100)
+    quality.add(logit([0.99] * 100), np.array([0] * 100))  # perfectly wrong, then pushed out
     for _ in range(5):
-        auc.add(np.linspace(0, 1, 50), (np.linspace(0, 1, 50) > 0.5).astype(int))
-    assert auc.value() == 1.0
-    assert auc.held <= 150
+        quality.add(logit(np.linspace(0.01, 0.99, 50)), (np.linspace(0, 1, 50) > 0.5).astype(int))
+    assert quality.value() == 1.0
+    assert quality.held <= 150
+    lifetime = quality.compute()["lifetime"]["auc"]
+    assert 0.5 < lifetime < 1.0  # the wrong start still counts over the lifetime
+
+
+def test_ne_and_calibration_of_a_perfectly_calibrated_predictor():
+    rng = np.random.default_rng(0)
+    p = rng.uniform(0.05, 0.95, 200_000)
+    y = (rng.random(p.size) < p).astype(int)
+    quality = ProgressiveQuality(window=p.size)
+    quality.add(logit(p), y)
+    for window in ("window", "lifetime"):
+        figures = quality.compute()[window]
+        assert figures["calibration"] == pytest.approx(1.0, abs=0.01)
+        assert 0.6 < figures["ne"] < 0.95  # informative scores beat the base rate
+        assert figures["auc"] == pytest.approx(roc_auc(p, y), abs=0.002)
+    rate_only = ProgressiveQuality(window=p.size)
+    rate_only.add(logit(np.full(p.size, y.mean())), y)
+    assert rate_only.compute()["window"]["ne"] == pytest.approx(1.0, abs=1e-3)
