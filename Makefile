@@ -10,7 +10,7 @@ KAFKA_LIBS := .cache/kafka/$(KAFKA_VERSION)/libs
 .PHONY: setup test demo kafka clean
 .DEFAULT_GOAL := setup
 
-setup: $(VENV)/.stamp $(KAFKA_LIBS)/.stamp
+setup: $(VENV)/.stamp $(KAFKA_LIBS)/.stamp .cache/prometheus.stamp
 
 # torchrec is installed with --no-deps: its metadata asks for the CUDA fbgemm-gpu, which fails to
 # import without an NVIDIA driver and collides with fbgemm-gpu-cpu (both ship `fbgemm_gpu`).
@@ -26,6 +26,13 @@ $(VENV)/.stamp: requirements/cpu.txt requirements/dev.txt pyproject.toml
 $(KAFKA_LIBS)/.stamp: deploy/kafka/pom.xml
 	mvn --batch-mode --quiet -f deploy/kafka/pom.xml package
 	touch $@
+
+# Debian's Prometheus, for the tests that scrape a live worker and evaluate the dashboard's queries.
+.cache/prometheus.stamp:
+	command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends prometheus) || \
+	    echo "warning: could not install Debian's prometheus; the scraping tests will say so and skip"
+	mkdir -p .cache && (command -v prometheus >/dev/null && touch $@ || true)
 
 test: setup
 	$(PY) -m pytest -ra tests

@@ -1,0 +1,185 @@
+"""The shipped Prometheus config, alert rules and Grafana dashboard, checked against a live
+Prometheus scraping a real worker on the real broker; and the health endpoints."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+from confluent_kafka import Producer
+
+from conftest import REPO, SCHEMA
+from streamtrain.devkafka import free_port
+from streamtrain.produce import produce
+
+DEPLOY = REPO / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "streamtrain.json"
+ALERTS = DEPLOY / "prometheus" / "alerts.yml"
+NO_PROMETHEUS = "Debian's prometheus package is not installed (make setup installs it with apt-get when it can)"
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(NO_PROMETHEUS)
+    return path
+
+
+def dashboard_queries() -> list[str]:
+    return [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+
+
+def alert_rules() -> list[dict]:
+    return [r for g in yaml.safe_load(ALERTS.read_text())["groups"] for r in g["rules"]]
+
+
+def test_promtool_accepts_the_shipped_config_and_rules():
+    promtool = tool("promtool")
+    for args in (["check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
+                 ["check", "rules", str(ALERTS)]):
+        result = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_alerts_cover_what_operators_need():
+    names = {r["alert"] for r in alert_rules()}
+    assert names == {"StreamtrainLagGrowing", "StreamtrainNotTraining", "StreamtrainCheckpointStale",
+                     "StreamtrainBadEventRate", "StreamtrainAUCBelowFloor", "StreamtrainAUCFalling",
+                     "StreamtrainRankDown"}
+    readme = (REPO / "README.md").read_text()
+    assert all(name in readme for name in names), "the README's Operating section explains every alert"
+
+
+def test_compose_and_kubernetes_files_hold_together():
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    services = compose["services"]
+    assert {"kafka", "topic-init", "producer", "worker", "prometheus", "grafana"} <= set(services)
+    assert services["kafka"]["image"].startswith("apache/kafka:")
+    assert "--nproc" in services["worker"]["command"]
+    docker = shutil.which("docker")
+    if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
+        result = subprocess.run([docker, "compose", "-f", str(DEPLOY / "docker-compose.yml"), "config", "-q"],
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+    kinds = [doc["kind"] for doc in yaml.safe_load_all((DEPLOY / "k8s" / "streamtrain.yaml").read_text())]
+    assert {"StatefulSet", "Service", "ConfigMap", "Secret", "PersistentVolumeClaim", "ServiceMonitor"} <= set(kinds)
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode()
+    except OSError:
+        return 0, ""
+
+
+class Prometheus:
+    def __init__(self, tmp_path: Path, targets: list[str]):
+        self.port = free_port()
+        config = tmp_path / "prometheus.yml"
+        config.write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(ALERTS)],
+            "scrape_configs": [{"job_name": "streamtrain", "static_configs": [{"targets": targets}]}],
+        }))
+        self.log = open(tmp_path / "prometheus.log", "wb")
+        self.process = subprocess.Popen(
+            [tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+
+    def api(self, path: str, **params: str) -> dict:
+        query = urllib.parse.urlencode(params)
+        status, body = http_get(f"http://127.0.0.1:{self.port}/api/v1/{path}?{query}")
+        assert status in (200, 400, 422), (status, body)
+        return json.loads(body)
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(timeout=30)
+        self.log.close()
+
+
+@pytest.mark.integration
+def test_every_dashboard_query_and_alert_works_on_a_live_prometheus(kafka, topic_name, start_worker, tmp_path):
+    tool("prometheus")
+    produce(kafka.bootstrap_servers, topic_name, 20_000, partitions=4, seed=51, schema_path=SCHEMA)
+    garbage = Producer({"bootstrap.servers": kafka.bootstrap_servers})
+    for i in range(20):  # undecodable payloads, so the error panels have something to show
+        garbage.produce(topic_name, value=b"\xff" * (i + 1), partition=i % 4)
+    assert garbage.flush(30) == 0
+    worker = start_worker(topic_name, env={"STREAMTRAIN_CHECKPOINT__PATH": str(tmp_path / "snapshots"),
+                                           "STREAMTRAIN_CHECKPOINT__INTERVAL_SECONDS": "2",
+                                           "STREAMTRAIN_METRICS__LAG_REFRESH_SECONDS": "1"})
+    prometheus = Prometheus(tmp_path, [f"127.0.0.1:{worker.metrics_port}"])
+    try:
+        worker.wait_for(lambda: worker.total("streamtrain_events_trained_total") >= 20_000, timeout=180,
+                        what="the stream trained")
+        produce(kafka.bootstrap_servers, topic_name, 5_000, partitions=4, seed=52, rate=1000, schema_path=SCHEMA)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            up = prometheus.api("query", query='up{job="streamtrain"}').get("data", {}).get("result", [])
+            if up and up[0]["value"][1] == "1":
+                break
+            time.sleep(0.5)
+        results = {}
+        for expr in dashboard_queries():
+            answer = prometheus.api("query", query=expr)
+            assert answer["status"] == "success", (expr, answer)
+            results[expr] = answer["data"]["result"]
+            assert results[expr], f"no data for dashboard query: {expr}"
+        for rule in alert_rules():
+            answer = prometheus.api("query", query=rule["expr"])
+            assert answer["status"] == "success", (rule["alert"], answer)
+        rules = prometheus.api("rules")["data"]["groups"][0]["rules"]
+        assert all(r["health"] in ("ok", "unknown") for r in rules), [(r["name"], r.get("lastError")) for r in rules]
+        auc = prometheus.api("query", query='streamtrain_progressive_auc{window="window"}')["data"]["result"]
+        assert float(auc[0]["value"][1]) > 0.6
+        (tmp_path / "checked-queries.json").write_text(json.dumps(
+            {expr: [(r["metric"], r["value"][1]) for r in res] for expr, res in results.items()}, indent=2))
+        print(f"\nchecked {len(results)} dashboard queries and {len(alert_rules())} alert rules; "
+              f"results in {tmp_path / 'checked-queries.json'}")
+    finally:
+        prometheus.close()
+        worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=60) == 0
+
+
+@pytest.mark.integration
+def test_readyz_waits_for_restore_and_healthz_catches_a_stalled_loop(kafka, topic_name, start_ranks, tmp_path):
+    produce(kafka.bootstrap_servers, topic_name, 2_000, partitions=4, seed=53, schema_path=SCHEMA)
+    ranks = start_ranks(topic_name, 2, env={"STREAMTRAIN_METRICS__STALL_SECONDS": "2",
+                                            "STREAMTRAIN_DISTRIBUTED__TIMEOUT_SECONDS": "60",
+                                            "STREAMTRAIN_CHECKPOINT__PATH": str(tmp_path / "snapshots")})
+    base = f"http://127.0.0.1:{ranks[0].metrics_port}"
+    seen = []
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not seen or seen[-1] != 200):
+        status, _ = http_get(base + "/readyz")
+        if status and (not seen or seen[-1] != status):
+            seen.append(status)
+        time.sleep(0.02)
+    assert seen == [503, 200], f"/readyz answered {seen}: 503 while restoring, then 200"
+    ranks[0].wait_for(lambda: http_get(base + "/healthz")[0] == 200, timeout=60, what="a healthy loop")
+
+    ranks[1].signal(signal.SIGSTOP)  # rank 0 now waits in the step's collective: its loop is stuck
+    try:
+        ranks[0].wait_for(lambda: http_get(base + "/healthz")[0] == 503, timeout=30, what="/healthz to fail")
+        status, body = http_get(base + "/healthz")
+        assert "stalled" in body
+    finally:
+        ranks[1].signal(signal.SIGCONT)
+    ranks[0].wait_for(lambda: http_get(base + "/healthz")[0] == 200, timeout=30, what="/healthz to recover")
+    ranks[0].signal(signal.SIGTERM)
+    assert [r.wait(timeout=60) for r in ranks] == [0, 0]
