@@ -195,6 +195,7 @@ class Checkpointer:
             fs, base = _fs(self.root)
             fs.makedirs(base, exist_ok=True)
 
+
     # --- what goes in ---------------------------------------------------------------------
     def _state_dict(self, stream_json: str) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "stream": stream_json}
@@ -321,6 +322,8 @@ class Checkpointer:
             log.info("restored %s: step %d, written by %d rank(s); positions %s", snapshot.path, stream.step,
                      snapshot.metadata.get("world_size"), dict(sorted(stream.next_offsets.items())))
             self.last_saved_step = stream.step
+            if self.metrics:
+                self.metrics.checkpoint_last_success.set(snapshot.metadata.get("wall_time", time.time()))
             return stream
         return None
 

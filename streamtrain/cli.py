@@ -53,6 +53,7 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _launch_local_ranks(args: argparse.Namespace) -> int:
     """Start ``--nproc`` ranks on this host with torch's elastic launcher, exactly as torchrun would."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
     worker_args = ["worker", "--config", str(args.config)]
@@ -67,6 +68,11 @@ def _launch_local_ranks(args: argparse.Namespace) -> int:
          *worker_args])
     try:
         run(launch)
+    except SignalException as stopped:
+        # The launcher has passed the signal to every rank and waited for them to stop: a
+        # requested, graceful stop, not a failure.
+        print(f"streamtrain: stopped by {signal.Signals(stopped.sigval).name}", file=sys.stderr)
+        return 0 if stopped.sigval in (signal.SIGTERM, signal.SIGINT) else 1
     except Exception as error:  # ChildFailedError: the launcher has already printed which rank failed
         print(f"streamtrain: a rank failed: {str(error).splitlines()[0] if str(error) else error}",
               file=sys.stderr)

@@ -207,7 +207,7 @@ class WorkerMetrics:
                                  "Predicted clicks over actual clicks (1 is calibrated).", quality_labels,
                                  registry=registry),
         }
-        self.progressive_auc = ProgressiveQuality(auc_window)
+        self.progressive_quality = ProgressiveQuality(auc_window)
         self.consumer_lag = Gauge("streamtrain_consumer_lag_events",
                                   "High watermark minus the read position, per owned partition.", tp,
                                   registry=registry)
@@ -238,8 +238,12 @@ class WorkerMetrics:
         self.checkpoint_bytes = Gauge("streamtrain_checkpoint_bytes", "Size of the last committed snapshot.",
                                       registry=registry)
         self.checkpoint_last_success = Gauge(
-            "streamtrain_checkpoint_last_success_timestamp_seconds", "When the last snapshot was committed.",
+            "streamtrain_checkpoint_last_success_timestamp_seconds",
+            "When the last snapshot was committed (or restored); the worker's start before the first.",
             registry=registry)
+        # Until a snapshot is restored or committed, its age counts from the start, so a fresh
+        # worker is not "three intervals late" at once.
+        self.checkpoint_last_success.set(time.time())
         self.checkpoint_failures = Counter("streamtrain_checkpoint_failures", "Snapshots that failed to write.",
                                            registry=registry)
         self._server = None

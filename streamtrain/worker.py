@@ -71,7 +71,7 @@ class _Progress:
         metrics.batches.inc()
         if batch.size:
             metrics.loss.set(result.loss_sum / batch.size)
-            metrics.progressive_auc.add(result.logits.float().cpu().numpy(), result.labels.cpu().numpy())
+            metrics.progressive_quality.add(result.logits.float().cpu().numpy(), result.labels.cpu().numpy())
             metrics.freshness.observe_many(time.time() - batch.event_time_ms.cpu().numpy() / 1000.0)
         self.step = result.step
         if batch.size:
@@ -95,7 +95,7 @@ class _Progress:
         events = trained - self.last_trained
         rate = events / max(now - self.last_time, 1e-9)
         loss = f"{(loss_sum - self.last_loss_sum) / events:.4f}" if events else "-"
-        quality = self.metrics.progressive_auc.compute()
+        quality = self.metrics.progressive_quality.compute()
         auc = quality["window"]["auc"]
         self.metrics.examples_per_second.set(rate)
         for window, values in quality.items():

@@ -144,3 +144,12 @@ def test_nproc_launches_ranks_through_the_elastic_launcher(kafka, topic_name, st
     output = launcher.output()
     assert "rank 0 stopped after" in output and "rank 1 stopped after" in output
     assert committed_offsets(kafka, topic_name, f"group-{topic_name}") == end_offsets(kafka, topic_name)
+
+    # A SIGTERM to the launcher is a requested stop: it reaches every rank, and the exit code is 0.
+    live = start_worker(topic_name, "--nproc", "2")
+    live.wait_for(live.scrape, timeout=120, what="rank 0's metrics")
+    produce(kafka.bootstrap_servers, topic_name, 1000, partitions=PARTITIONS, seed=19, schema_path=SCHEMA)
+    live.wait_for(lambda: live.total("streamtrain_events_trained_total") > 0, timeout=60, what="training")
+    live.signal(signal.SIGTERM)
+    assert live.wait(timeout=60) == 0, live.output()[-3000:]
+    assert "stopped by SIGTERM" in live.output()
