@@ -248,6 +248,72 @@ def bench_train_step(sizes: list[StepSize], seconds: float, progress: Callable[[
     return {"benchmark": "train-step", "machine": machine(), "leg_seconds": seconds / 2, "sizes": rows}
 
 
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _wait_until_training(port: int, worker, timeout: float = 180.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and worker.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as reply:
+                if any(line.startswith("streamtrain_events_trained_total{") and not line.endswith(" 0.0")
+                       for line in reply.read().decode().splitlines()):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("the worker did not start training")
+
+
+def bench_memory(config_path: Path, seconds: float, backlog_events: int, progress: Callable[[str], None]) -> dict:
+    """The worker's RSS while a backlog far larger than it can train in ``seconds`` waits in Kafka:
+    flat memory means the prefetch queue and the client's fetch buffers bound what the worker holds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from streamtrain.devkafka import KafkaBroker, free_port
+    from streamtrain.produce import produce
+
+    with KafkaBroker() as broker:
+        progress(f"writing a backlog of {backlog_events:,} events")
+        produce(broker.bootstrap_servers, "memory", backlog_events, partitions=4, seed=7,
+                schema_path=PACKAGE_ROOT / "schemas" / "click_event.avsc")
+        environ = {**os.environ, "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": broker.bootstrap_servers,
+                   "STREAMTRAIN_KAFKA__TOPIC": "memory", "STREAMTRAIN_METRICS__PORT": str(free_port())}
+        worker = subprocess.Popen([sys.executable, "-m", "streamtrain", "worker", "--config", str(config_path)],
+                                  env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        samples: list[tuple[float, int]] = []
+        try:
+            _wait_until_training(int(environ["STREAMTRAIN_METRICS__PORT"]), worker)
+            started = time.monotonic()
+            while time.monotonic() - started < seconds and worker.poll() is None:
+                samples.append((time.monotonic() - started, _rss_bytes(worker.pid)))
+                if len(samples) % 10 == 0:
+                    progress(f"{samples[-1][0]:5.0f}s  RSS {samples[-1][1] / 2**20:,.0f} MiB")
+                time.sleep(1.0)
+        finally:
+            worker.send_signal(signal.SIGTERM)
+            _out, log_text = worker.communicate(timeout=120)
+    trained = [line for line in log_text.splitlines() if "stopped after" in line]
+    # Warm-up, excluded: the first 10 s of training or the first fifth of the run, whichever is longer.
+    warm_up = max(1, sum(1 for t, _rss in samples if t < max(10.0, seconds / 5)))
+    warm = samples[warm_up - 1][1]
+    peak_after = max(rss for _t, rss in samples[warm_up - 1:])
+    return {"benchmark": "memory", "machine": machine(), "seconds": seconds, "backlog_events": backlog_events,
+            "warm_up_seconds": samples[warm_up - 1][0],
+            "rss_after_warm_up_bytes": warm, "rss_peak_after_warm_up_bytes": peak_after,
+            "rss_final_bytes": samples[-1][1], "growth_after_warm_up": (peak_after - warm) / warm,
+            "samples": samples, "worker_summary": trained[-1] if trained else log_text[-2000:]}
+
+
 def report(result: dict) -> str:
     lines = [f"{result['benchmark']} benchmark on {result['machine']['cores']} cores "
              f"({result['machine']['device']}, torch {result['machine']['torch']}, torchrec "
@@ -260,6 +326,15 @@ def report(result: dict) -> str:
             f"  ratio                        {result['ratio']:>12.3f}   (goal >= 0.8)",
             f"  snapshots: {result['snapshots']}, {result['snapshot_bytes'] / 2**20:,.1f} MiB each, "
             f"{result['snapshot_seconds_mean']:.2f}s from start to commit on average",
+        ]
+    if result["benchmark"] == "memory":
+        lines += [
+            f"  backlog in Kafka: {result['backlog_events']:,} events; worker ran {result['seconds']:.0f}s, "
+            f"warm-up ({result['warm_up_seconds']:.0f}s) excluded",
+            f"  RSS after warm-up        {result['rss_after_warm_up_bytes'] / 2**20:>8,.0f} MiB",
+            f"  peak RSS after warm-up   {result['rss_peak_after_warm_up_bytes'] / 2**20:>8,.0f} MiB",
+            f"  growth                   {100 * result['growth_after_warm_up']:>8.1f} %   (goal < 10%)",
+            f"  {result['worker_summary'].split('INFO ')[-1]}",
         ]
     if result["benchmark"] == "train-step":
         lines.append(f"  {'size':<36} {'per-feature':>14} {'fused (TBE)':>14} {'ratio':>7}")

@@ -162,7 +162,10 @@ def _bench(args: argparse.Namespace) -> int:
     from streamtrain.config import load_config
 
     progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    if args.name == "train-step":
+    if args.name == "memory":
+        seconds = 12.0 if args.quick else args.seconds
+        result = bench.bench_memory(args.config, seconds, 100_000 if args.quick else args.backlog, progress)
+    elif args.name == "train-step":
         sizes = [bench.StepSize(512, 4, 8, 10_000)] if args.quick else bench.TRAIN_STEP_SIZES
         result = bench.bench_train_step(sizes, 2.0 if args.quick else args.seconds, progress)
     else:
@@ -252,8 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="checkpoint: training throughput with an async snapshot every --interval-seconds against "
                     "none, in alternating legs on one trainer and the same in-memory batches. train-step: one "
                     "nn.EmbeddingBag per feature with torch's sparse Adagrad against the fused TBE path (EBC "
-                    "under DMP), at several batch sizes, feature counts, dims and table sizes.")
-    bench.add_argument("name", choices=["checkpoint", "train-step"])
+                    "under DMP), at several batch sizes, feature counts, dims and table sizes. memory: the worker's RSS, "
+                    "sampled every second, while a backlog far larger than it can train waits in a local Kafka.")
+    bench.add_argument("name", choices=["checkpoint", "train-step", "memory"])
+    bench.add_argument("--backlog", type=int, default=4_000_000,
+                       help="memory: events waiting in Kafka, far more than the worker trains (default 4,000,000)")
     bench.add_argument("--config", type=Path, default=PACKAGE_ROOT / "deploy" / "worker.yaml")
     bench.add_argument("--seconds", type=float, default=20.0,
                        help="length of each leg (default 20; train-step: per size and round)")

@@ -25,3 +25,12 @@ def test_train_step_benchmark_runs_both_paths_and_reports_a_ratio():
     (row,) = saved["sizes"]
     assert row["per_feature_events_per_second"] > 0 and row["fused_events_per_second"] > 0
     assert row["ratio"] == row["fused_events_per_second"] / row["per_feature_events_per_second"]
+
+
+def test_memory_benchmark_samples_the_workers_rss():
+    result = subprocess.run([sys.executable, "-m", "streamtrain", "bench", "memory", "--quick", "--config",
+                             str(SMALL_CONFIG)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = json.loads(open(result.stdout.split("results: ")[1].strip()).read())
+    assert len(saved["samples"]) >= 10 and all(rss > 0 for _t, rss in saved["samples"])
+    assert "events trained" in saved["worker_summary"]
