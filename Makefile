@@ -20,7 +20,7 @@ $(VENV)/.stamp: requirements/cpu.txt requirements/dev.txt pyproject.toml
 	$(PY) -m pip install --quiet -r requirements/cpu.txt -r requirements/dev.txt
 	$(PY) -m pip install --quiet --no-deps torchrec==1.8.0
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
-	$(PY) -c "import torch, torchrec, fbgemm_gpu, confluent_kafka, fastavro, prometheus_client"
+	$(PY) -c "import torch, torchrec, fbgemm_gpu, confluent_kafka, fastavro, numba, prometheus_client"
 	touch $@
 
 $(KAFKA_LIBS)/.stamp: deploy/kafka/pom.xml

@@ -11,13 +11,15 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from streamtrain.config import BatchingConfig
+from streamtrain.deadletter import DeadLetterWriter, ErrorRateLimit, reason_code
 from streamtrain.decode import AvroBatchDecoder, ClickBatch
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.source import KafkaSource, RawEvent
@@ -31,11 +33,19 @@ PIPELINE_LOOKAHEAD = 2
 
 
 class Prefetcher:
-    """Decodes batches ahead of the trainer on its own thread; ``get`` hands them over."""
+    """Decodes batches ahead of the trainer on its own thread; ``get`` hands them over.
+
+    Events the decoder rejects go to ``dead_letters`` before their batch is handed over (without
+    it they are only logged and counted). ``error_limit`` pauses consumption while too many recent
+    events were rejected: this rank then hands over no batches, and still answers a stop.
+    """
 
     def __init__(self, source: KafkaSource, decoder: AvroBatchDecoder, config: BatchingConfig,
-                 metrics: WorkerMetrics, lag_refresh_seconds: float = 5.0):
+                 metrics: WorkerMetrics, lag_refresh_seconds: float = 5.0, *,
+                 dead_letters: DeadLetterWriter | None = None, error_limit: ErrorRateLimit | None = None):
         self.source = source
+        self.dead_letters = dead_letters
+        self.error_limit = error_limit
         self.decoder = decoder
         self.config = config
         self.metrics = metrics
@@ -98,9 +108,14 @@ class Prefetcher:
             while not self.stopping.is_set() and not self.source.exhausted:
                 self._commit_pending()
                 self._refresh_lag()
+                if self._paused():
+                    self.stopping.wait(_POLL_SECONDS)
+                    continue
                 events = self._collect()
                 if events:
-                    self._put(self._decode(events))
+                    batch = self._decode(events)
+                    if batch is not None:
+                        self._put(batch)
         except BaseException as error:  # surfaced to the trainer through the iterator
             log.exception("prefetch thread failed")
             self.error = error
@@ -122,21 +137,68 @@ class Prefetcher:
             events.extend(got)
         return events
 
-    def _decode(self, events: list[RawEvent]) -> ClickBatch:
+    def _decode(self, events: list[RawEvent]) -> ClickBatch | None:
+        """The decoded batch, once its rejected events are in the dead-letter topic; None if a stop
+        came while they could not be written (the batch must then not train: its positions
+        cover them)."""
         topic, metrics = self.source.topic, self.metrics
-        for partition in {e.partition for e in events}:
-            mine = [e for e in events if e.partition == partition]
-            metrics.events_consumed.labels(topic, str(partition)).inc(len(mine))
-            metrics.consumed_bytes.labels(topic, str(partition)).inc(sum(len(e.value or b"") for e in mine))
+        # One pass over the events (this runs for every batch); the per-partition sums in numpy.
+        partitions = [e.partition for e in events]
+        sizes = [len(e.value) if e.value is not None else 0 for e in events]
+        counts = np.bincount(partitions)
+        nbytes = np.bincount(partitions, weights=sizes)
+        for partition in np.flatnonzero(counts).tolist():
+            metrics.events_consumed.labels(topic, str(partition)).inc(int(counts[partition]))
+            metrics.consumed_bytes.labels(topic, str(partition)).inc(int(nbytes[partition]))
         started = time.perf_counter()
         result = self.decoder.decode(events)
         metrics.decode_seconds.observe(time.perf_counter() - started)
-        for event, reason in result.rejected:
-            log.warning("dropping %s[%d]@%d: %s", topic, event.partition, event.offset, reason)
-            kind = reason.split(":")[0]
-            metrics.events_dropped.labels(topic, str(event.partition), kind).inc()
-            metrics.decode_errors.labels(kind).inc()
+        reasons: Counter[str] | None = None
+        if result.rejected:
+            reasons = Counter(reason_code(reason) for _event, reason in result.rejected)
+            for (partition, code), n in Counter(
+                    (event.partition, reason_code(reason)) for event, reason in result.rejected).items():
+                metrics.events_dropped.labels(topic, str(partition), code).inc(n)
+            for code, n in reasons.items():
+                metrics.decode_errors.labels(code).inc(n)
+            if self.dead_letters is not None:
+                if not self.dead_letters.write(result.rejected, self.stopping):
+                    return None
+            else:
+                event, reason = result.rejected[0]
+                log.warning("skipping %d events of %s that cannot be decoded (dead_letter.enabled is false: they are "
+                            "lost): %s; the first at partition %d offset %d: %s", len(result.rejected), topic,
+                            ", ".join(f"{code} x{n}" for code, n in reasons.most_common()), event.partition,
+                            event.offset, reason)
+        if self.error_limit is not None:
+            self._limit_errors(len(events), reasons)
         return result.batch
+
+    def _limit_errors(self, events: int, reasons: Counter[str] | None) -> None:
+        limit = self.error_limit
+        seen = limit.record(events, reasons)
+        if seen is None:
+            return
+        self.metrics.consumption_pauses.inc()
+        self.metrics.consumption_paused.set(1)
+        rejected, window = sum(seen.values()), limit.tripped_at_events
+        log.error("PAUSING consumption of %s for %.0fs: %d of the last %d events could not be decoded (%.0f%%, over "
+                  "dead_letter.max_error_rate %.0f%%): %s. The topic may be poisoned: check its producers; the "
+                  "rejected events are in %s", self.source.topic, limit.pause_seconds, rejected, window,
+                  100 * rejected / window,
+                  100 * limit.max_error_rate, ", ".join(f"{code} x{n}" for code, n in seen.most_common()),
+                  self.dead_letters.topic if self.dead_letters is not None else "no dead-letter topic (disabled)")
+
+    def _paused(self) -> bool:
+        if self.error_limit is None or self.error_limit.paused_until is None:
+            return False
+        if self.error_limit.paused():
+            return True
+        self.metrics.consumption_paused.set(0)
+        log.warning("resuming consumption of %s after a %.0fs pause; it pauses again if over %.0f%% of the next "
+                    "%d events cannot be decoded", self.source.topic, self.error_limit.pause_seconds,
+                    100 * self.error_limit.max_error_rate, self.error_limit.window_events)
+        return False
 
     def _refresh_lag(self) -> None:
         if time.monotonic() - self._lag_refreshed < self.lag_refresh_seconds:

@@ -17,7 +17,6 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import fsspec

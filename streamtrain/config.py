@@ -30,34 +30,42 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class KafkaConfig(_Strict):
-    bootstrap_servers: str = Field(min_length=1)
-    topic: str = Field(min_length=1)
-    group_id: str = "streamtrain"
-    # Extra librdkafka properties, e.g. security.protocol or sasl.mechanism.
+class _ClientProperties(_Strict):
+    """Client properties with secrets kept out of the YAML: they are read from files instead."""
+
+    # Extra client properties, e.g. security.protocol or sasl.mechanism.
     client_config: dict[str, str] = {}
-    # librdkafka properties whose values are read from files, so secrets such as sasl.password
-    # never sit in the YAML or in logs.
+    # Properties whose values are read from files, so secrets such as sasl.password or
+    # basic.auth.user.info never sit in the YAML or in logs.
     client_config_files: dict[str, Path] = {}
-    poll_timeout_ms: int = Field(default=100, gt=0, le=10_000)
 
     @field_validator("client_config")
     @classmethod
     def _no_inline_secrets(cls, value: dict[str, str]) -> dict[str, str]:
         for key in value:
-            if "password" in key or key.endswith(".key.pem") or "secret" in key:
+            if "password" in key or key.endswith(".key.pem") or "secret" in key or key.endswith("user.info"):
                 raise ValueError(
-                    f"{key!r} is a secret: put it in a file and name it under "
-                    f"kafka.client_config_files instead"
+                    f"{key!r} is a secret: put it in a file and name it under client_config_files instead"
                 )
         return value
 
-    def librdkafka(self) -> dict[str, str]:
-        """The client properties, secrets included; never log the result."""
-        props = {"bootstrap.servers": self.bootstrap_servers, **self.client_config}
+    def client_properties(self) -> dict[str, Any]:
+        """The properties, secrets included; never log the result."""
+        props = dict(self.client_config)
         for key, path in self.client_config_files.items():
             props[key] = Path(path).read_text().strip()
         return props
+
+
+class KafkaConfig(_ClientProperties):
+    bootstrap_servers: str = Field(min_length=1)
+    topic: str = Field(min_length=1)
+    group_id: str = "streamtrain"
+    poll_timeout_ms: int = Field(default=100, gt=0, le=10_000)
+
+    def librdkafka(self) -> dict[str, str]:
+        """The librdkafka properties, secrets included; never log the result."""
+        return {"bootstrap.servers": self.bootstrap_servers, **self.client_properties()}
 
 
 ShardingTypeName = Literal["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise",
@@ -85,12 +93,41 @@ class DenseFeature(_Strict):
     transform: Literal["none", "log1p"] = "none"
 
 
+class SchemaRegistryConfig(_ClientProperties):
+    """A Confluent Schema Registry; client_config takes the registry client's properties."""
+
+    url: str = Field(pattern=r"^(https?|mock)://", description="e.g. https://registry:8081")
+    # The registry client takes typed values (max.retries: 3, timeout: 10), unlike librdkafka.
+    client_config: dict[str, str | int | float | bool] = {}
+
+    @field_validator("url")
+    @classmethod
+    def _no_credentials_in_url(cls, value: str) -> str:
+        if "@" in value.split("://", 1)[1].split("/", 1)[0]:
+            raise ValueError("credentials in the URL would reach logs: put user:password in a file and name it "
+                             "under client_config_files as basic.auth.user.info")
+        return value
+    # How long an unreachable registry is retried before the worker stops with an error.
+    timeout_seconds: float = Field(default=60.0, gt=0)
+
+
 class FeaturesConfig(_Strict):
+    # The reader schema: what the features below are named against. In the confluent wire format,
+    # each payload's writer schema is resolved to it with Avro's rules.
     schema_path: Path = Path("schemas/click_event.avsc")
+    # raw: schemaless Avro bodies written with schema_path. confluent: magic byte 0, a 4-byte
+    # schema id, then the body, as confluent-kafka's AvroSerializer writes; writer schemas come
+    # from schema_registry or from writer_schemas_dir (<id>.avsc files).
+    wire_format: Literal["raw", "confluent"] = "raw"
+    schema_registry: SchemaRegistryConfig | None = None
+    writer_schemas_dir: Path | None = None
     tables: list[TableConfig] = Field(min_length=1)
     dense: list[DenseFeature] = Field(min_length=1)
     label: str = "clk"
     event_time: str = "event_time"
+    # A NaN or infinite dense value (after its transform, as float32): dead_letter rejects the
+    # event; clip trains it with NaN as 0 and +-inf as +-float32 max.
+    non_finite_dense: Literal["dead_letter", "clip"] = "dead_letter"
 
     @model_validator(mode="after")
     def _unique_names(self) -> "FeaturesConfig":
@@ -100,9 +137,30 @@ class FeaturesConfig(_Strict):
             raise ValueError(f"table names must be unique; repeated: {duplicated}")
         return self
 
+    @model_validator(mode="after")
+    def _one_writer_schema_source(self) -> "FeaturesConfig":
+        sources = [name for name in ("schema_registry", "writer_schemas_dir") if getattr(self, name) is not None]
+        if self.wire_format == "confluent" and len(sources) != 1:
+            raise ValueError(
+                "wire_format confluent needs exactly one source of writer schemas: set either "
+                "features.schema_registry.url or features.writer_schemas_dir"
+                + (" (both are set)" if sources else "")
+            )
+        if self.wire_format == "raw" and sources:
+            raise ValueError(f"features.{sources[0]} is only read with wire_format: confluent; set that or remove it")
+        return self
+
     def resolved_schema_path(self) -> Path:
-        path = Path(self.schema_path)
-        return path if path.is_absolute() or path.exists() else PACKAGE_ROOT / path
+        return _resolved(self.schema_path)
+
+    def resolved_writer_schemas_dir(self) -> Path:
+        return _resolved(self.writer_schemas_dir)
+
+
+def _resolved(path: Path) -> Path:
+    """Paths relative to the working directory, else to the repository (for the bundled schemas)."""
+    path = Path(path)
+    return path if path.is_absolute() or path.exists() else PACKAGE_ROOT / path
 
 
 class ModelConfig(_Strict):
@@ -159,6 +217,29 @@ class CheckpointConfig(_Strict):
     async_mode: Literal["thread", "process"] = "thread"
 
 
+class DeadLetterConfig(_Strict):
+    # Events that cannot be decoded are produced to `topic` (key, value, timestamp and headers as
+    # read, plus streamtrain.error.reason and streamtrain.source.* headers) before the batch that
+    # covers their offsets trains. false: they are only logged and counted, and are lost.
+    enabled: bool = True
+    # Unset: "<kafka.topic>.dlq". Create it like the source topic: while it cannot be written,
+    # consumption blocks and retries, so no event is lost.
+    topic: str | None = Field(default=None, min_length=1)
+    # One write attempt's bound (librdkafka's message.timeout.ms); failures are retried after
+    # retry_backoff_seconds, doubling up to retry_backoff_max_seconds, for as long as it takes.
+    delivery_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    retry_backoff_seconds: float = Field(default=1.0, gt=0)
+    retry_backoff_max_seconds: float = Field(default=60.0, gt=0)
+    # Consumption pauses for pause_seconds when more than max_error_rate of the last window_events
+    # events could not be decoded (1.0: never), then resumes with a fresh window.
+    max_error_rate: float = Field(default=0.1, gt=0, le=1)
+    window_events: int = Field(default=10_000, gt=0)
+    pause_seconds: float = Field(default=60.0, gt=0)
+
+    def resolved_topic(self, source_topic: str) -> str:
+        return self.topic or f"{source_topic}.dlq"
+
+
 class WorkerConfig(_Strict):
     kafka: KafkaConfig
     features: FeaturesConfig
@@ -167,6 +248,13 @@ class WorkerConfig(_Strict):
     metrics: MetricsConfig = MetricsConfig()
     distributed: DistributedConfig = DistributedConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    dead_letter: DeadLetterConfig = DeadLetterConfig()
+
+    @model_validator(mode="after")
+    def _dead_letters_elsewhere(self) -> "WorkerConfig":
+        if self.dead_letter.enabled and self.dead_letter.resolved_topic(self.kafka.topic) == self.kafka.topic:
+            raise ValueError("dead_letter.topic: must not be kafka.topic, or dead letters would be read again")
+        return self
 
     @model_validator(mode="after")
     def _dlrm_shapes(self) -> "WorkerConfig":

@@ -26,6 +26,7 @@ LIVE_EVENTS = 20_000_000  # bounds the demo's producer; at 20,000/s that is over
 def run_demo(metrics_port: int = 9100, rate: float = 20_000) -> int:
     with KafkaBroker() as broker:
         broker.create_topic(TOPIC, PARTITIONS)
+        broker.create_topic(f"{TOPIC}.dlq", PARTITIONS)  # deploy/worker.yaml's dead_letter.topic
         log.info("Kafka %s is up; topic %r has %d partitions", broker.bootstrap_servers, TOPIC, PARTITIONS)
         produce = [sys.executable, "-m", "streamtrain", "produce", "--bootstrap-servers", broker.bootstrap_servers,
                    "--topic", TOPIC]

@@ -218,8 +218,26 @@ class WorkerMetrics:
         self.decode_seconds = Histogram(
             "streamtrain_decode_seconds", "Time to decode one batch of payloads into a KJT batch.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0), registry=registry)
-        self.decode_errors = Counter("streamtrain_decode_errors", "Payloads that could not become examples.",
+        # prometheus_client exports a Counter named with or without "_total" as <name>_total.
+        self.decode_errors = Counter("streamtrain_decode_errors_total", "Payloads that could not become examples.",
                                      ["reason"], registry=registry)
+        self.dead_letter_events = Counter(
+            "streamtrain_dead_letter_events_total",
+            "Events written to the dead-letter topic (acknowledged by all in-sync replicas), by reason.",
+            ["reason"], registry=registry)
+        self.dead_letter_failures = Counter(
+            "streamtrain_dead_letter_produce_failures_total",
+            "Dead letters whose write attempt failed and is being retried, by Kafka error code.", ["code"],
+            registry=registry)
+        self.dead_letter_blocked = Gauge(
+            "streamtrain_dead_letter_blocked",
+            "1 while consumption is blocked because the dead-letter topic cannot be written.", registry=registry)
+        self.consumption_paused = Gauge(
+            "streamtrain_consumption_paused",
+            "1 while consumption is paused because too many recent events could not be decoded.", registry=registry)
+        self.consumption_pauses = Counter(
+            "streamtrain_consumption_pauses_total",
+            "Times consumption was paused for dead_letter.pause_seconds by the error-rate limit.", registry=registry)
         self.batch_events = Histogram(
             "streamtrain_batch_events", "Events in each batch this rank trained (0 for a lockstep filler).",
             buckets=(0, 1, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=registry)

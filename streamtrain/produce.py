@@ -10,7 +10,6 @@ profile is fixed per user, so the stream is consistent the way a click log is.
 from __future__ import annotations
 
 import io
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,6 +217,8 @@ def produce(bootstrap_servers: str, topic: str, count: int, *, partitions: int =
         if error is not None:
             failures.append(str(error))
 
+    if start_time_ms is None:  # event times start now, when sending starts, not when the stream was built
+        stream.start_time_ms = int(time.time() * 1000)
     started = last_report = time.monotonic()
     produced = 0
     for key, value, p, clk in encoded_events(stream, encoder, count):

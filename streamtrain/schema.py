@@ -8,7 +8,7 @@ from typing import Any
 
 import fastavro
 
-ID_KINDS = {"integer", "string", "integer_list", "string_list"}
+ID_KINDS = {"integer", "string", "boolean", "enum", "integer_list", "string_list", "boolean_list", "enum_list"}
 NUMBER_KINDS = {"integer", "float", "boolean"}
 
 _KIND_OF_PRIMITIVE = {
@@ -40,23 +40,54 @@ def without_logical_types(schema: Any) -> Any:
     return schema
 
 
+def field_schema(schema: dict[str, Any], path: str) -> Any:
+    """The type of the field at a dotted path ("user.id" is field id of record field user), with
+    named types resolved and a union with null reduced to its other branch; None if absent."""
+    return _field(schema, path)[0]
+
+
+def _field(schema: dict[str, Any], path: str) -> tuple[Any, dict[str, Any]]:
+    """(the field's type as ``field_schema`` gives it, the schema's named types by full name)."""
+    names: dict[str, Any] = {}
+    node: Any = fastavro.parse_schema(schema, named_schemas=names, _write_hint=False)
+    for name in path.split("."):
+        node = _non_null(node, names)
+        if not isinstance(node, dict) or node.get("type") not in ("record", "error"):
+            return None, names
+        field = next((f for f in node["fields"] if f["name"] == name), None)
+        if field is None:
+            return None, names
+        node = field["type"]
+    return _non_null(node, names), names
+
+
+def _non_null(avro_type: Any, names: dict[str, Any]) -> Any:
+    if isinstance(avro_type, str):
+        avro_type = names.get(avro_type, avro_type)
+    if isinstance(avro_type, list):
+        branches = [t for t in avro_type if t != "null"]
+        return _non_null(branches[0], names) if len(branches) == 1 else avro_type
+    if isinstance(avro_type, dict) and avro_type.get("type") in _KIND_OF_PRIMITIVE and "logicalType" not in avro_type:
+        return avro_type["type"]
+    return avro_type
+
+
 def field_kind(schema: dict[str, Any], name: str) -> str | None:
-    """'integer', 'float', 'boolean', 'string', or '<kind>_list' for arrays; None if absent.
+    """'integer', 'float', 'boolean', 'string', 'enum', '<kind>_list' for arrays, 'record', ...;
+    None if absent. ``name`` may be a dotted path into nested records.
 
     A union with null has the kind of its other branch: a null becomes an empty feature.
     """
-    for field in schema["fields"]:
-        if field["name"] == name:
-            return _kind(field["type"])
-    return None
+    avro_type, names = _field(schema, name)
+    return None if avro_type is None else _kind(avro_type, names)
 
 
-def _kind(avro_type: Any) -> str:
+def _kind(avro_type: Any, names: dict[str, Any]) -> str:
+    avro_type = _non_null(avro_type, names)
     if isinstance(avro_type, list):
-        branches = [t for t in avro_type if t != "null"]
-        return _kind(branches[0]) if len(branches) == 1 else "union"
+        return "union"
     if isinstance(avro_type, dict):
         if avro_type["type"] == "array":
-            return _kind(avro_type["items"]) + "_list"
-        return _kind(avro_type["type"])
+            return _kind(avro_type["items"], names) + "_list"
+        return _KIND_OF_PRIMITIVE.get(avro_type["type"], avro_type["type"])
     return _KIND_OF_PRIMITIVE.get(avro_type, avro_type)

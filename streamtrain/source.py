@@ -19,12 +19,16 @@ from streamtrain.config import KafkaConfig
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RawEvent:
+    """One message as read. Made for every message, so kept cheap: slots, not frozen (a frozen
+    dataclass's __init__ costs several times more); treat it as immutable all the same."""
     partition: int
     offset: int
     value: bytes | None
-    timestamp_ms: int
+    timestamp_ms: int  # the message timestamp; -1 when the broker gave none
+    key: bytes | None = None
+    headers: list[tuple[str, bytes | None]] | None = None  # as read, for the dead-letter topic
 
 
 class KafkaSource:
@@ -156,7 +160,7 @@ class KafkaSource:
             self.consumer.pause([TopicPartition(self.topic, partition)])
             return None
         self.next_offset[partition] = offset + 1
-        return RawEvent(partition, offset, message.value(), message.timestamp()[1])
+        return RawEvent(partition, offset, message.value(), message.timestamp()[1], message.key(), message.headers())
 
     def commit(self, next_offsets: dict[int, int]) -> None:
         """Record trained positions in the consumer group, for lag dashboards; never blocks."""

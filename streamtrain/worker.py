@@ -17,7 +17,9 @@ import torch.distributed as dist
 from streamtrain.batch import Lockstep, Prefetcher
 from streamtrain.checkpoint import Checkpointer, StreamState
 from streamtrain.config import WorkerConfig
+from streamtrain.deadletter import from_config as dead_letter_stage
 from streamtrain.decode import AvroBatchDecoder
+from streamtrain.registry import schema_source
 from streamtrain.metrics import Health, WorkerMetrics
 from streamtrain.source import KafkaSource
 from streamtrain.train import StepResult, Trainer, describe_plan, init_distributed, write_plan_json
@@ -48,6 +50,7 @@ class _Progress:
         self.last_trained_at = 0.0
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._report_until_done, name="streamtrain-progress", daemon=True)
+        self.run_record = _RunRecord.from_environment(rank)
 
     def __enter__(self) -> "_Progress":
         self.thread.start()
@@ -72,7 +75,11 @@ class _Progress:
         if batch.size:
             metrics.loss.set(result.loss_sum / batch.size)
             metrics.progressive_quality.add(result.logits.float().cpu().numpy(), result.labels.cpu().numpy())
-            metrics.freshness.observe_many(time.time() - batch.event_time_ms.cpu().numpy() / 1000.0)
+            applied = time.time()
+            freshness = applied - batch.event_time_ms.cpu().numpy() / 1000.0
+            metrics.freshness.observe_many(freshness)
+            if self.run_record is not None:
+                self.run_record.add(applied, freshness, result.seconds, result.data_wait_seconds)
         self.step = result.step
         if batch.size:
             self.first_trained_at = self.first_trained_at or time.monotonic()
@@ -105,6 +112,48 @@ class _Progress:
         log.info("rank %d step %d | trained %s events | %s events/s | loss %s | progressive AUC %.4f | queue %d",
                  self.rank, self.step, f"{trained:,}", f"{rate:,.0f}", loss, auc, self.queue_depth())
         self.last_time, self.last_trained, self.last_loss_sum = now, trained, loss_sum
+
+
+class _RunRecord:
+    """For ``streamtrain bench``: with STREAMTRAIN_RUN_RECORD=<folder>, the wall time, event count,
+    duration and data wait of every trained step, and the freshness of every trained event (up to
+    MAX_EVENTS), written to <folder>/rank-<N>.npz when the worker stops. Benchmarks exclude their
+    warm-up from these."""
+
+    MAX_EVENTS = 50_000_000
+
+    def __init__(self, path: str):
+        self.path = path
+        self.step_wall: list[float] = []
+        self.step_events: list[int] = []
+        self.step_seconds: list[float] = []
+        self.step_wait: list[float] = []
+        self.freshness: list = []
+        self.kept = 0
+
+    @classmethod
+    def from_environment(cls, rank: int) -> "_RunRecord | None":
+        folder = os.environ.get("STREAMTRAIN_RUN_RECORD")
+        return cls(os.path.join(folder, f"rank-{rank}.npz")) if folder else None
+
+    def add(self, applied: float, freshness, seconds: float, data_wait: float) -> None:
+        if self.kept + freshness.size > self.MAX_EVENTS:
+            return
+        self.step_wall.append(applied)
+        self.step_events.append(int(freshness.size))
+        self.step_seconds.append(seconds)
+        self.step_wait.append(data_wait)
+        self.freshness.append(freshness.astype("float32"))
+        self.kept += freshness.size
+
+    def write(self) -> None:
+        import numpy as np
+
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        np.savez(self.path, step_wall=np.array(self.step_wall, dtype=np.float64),
+                 step_events=np.array(self.step_events, dtype=np.int64),
+                 step_seconds=np.array(self.step_seconds), step_wait=np.array(self.step_wait),
+                 freshness=np.concatenate(self.freshness) if self.freshness else np.zeros(0, np.float32))
 
 
 class _Snapshots:
@@ -229,8 +278,10 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
     health.ready = True  # the state is restored and the broker answered the source's metadata request
     health.not_ready_reason = "the Kafka brokers are down"
     health.readiness = lambda: not source.brokers_down
-    decoder = AvroBatchDecoder(config.features)
-    prefetcher = Prefetcher(source, decoder, config.batching, metrics, config.metrics.lag_refresh_seconds)
+    decoder = AvroBatchDecoder(config.features, schema_source(config.features))
+    dead_letters, error_limit = dead_letter_stage(config.dead_letter, config.kafka, metrics, env.rank)
+    prefetcher = Prefetcher(source, decoder, config.batching, metrics, config.metrics.lag_refresh_seconds,
+                            dead_letters=dead_letters, error_limit=error_limit)
     snapshots = _Snapshots(config, checkpointer, restored, source, prefetcher)
     steps = Lockstep(prefetcher, lambda: decoder.decode([]).batch, env.world_size, own_group(),
                      flush_after_seconds=config.batching.max_batch_wait_ms / 1000, votes=snapshots.votes(),
@@ -259,10 +310,14 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
         try:
             snapshots.close(clean=exit_code == 0 and sys.exc_info()[0] is None)
         finally:
+            if dead_letters is not None:
+                dead_letters.close()
             source.close()
             metrics.close()
     log.info("rank %d stopped after %d steps, %s; positions %s", env.rank, trainer.step, progress.summary(),
              dict(sorted(snapshots.state.next_offsets.items())))
+    if progress.run_record is not None:
+        progress.run_record.write()
     return exit_code
 
 

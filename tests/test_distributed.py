@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import REPO, SCHEMA, SMALL_CONFIG, cpu_seconds
+from conftest import REPO, SCHEMA, cpu_seconds
 from streamtrain.produce import produce
 from test_worker_kafka import committed_offsets, end_offsets
 

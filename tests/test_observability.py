@@ -18,7 +18,7 @@ import yaml
 from confluent_kafka import Producer
 
 from conftest import REPO, SCHEMA
-from streamtrain.devkafka import free_port
+from streamtrain.devkafka import create_topic, free_port
 from streamtrain.produce import produce
 
 DEPLOY = REPO / "deploy"
@@ -54,7 +54,7 @@ def test_alerts_cover_what_operators_need():
     names = {r["alert"] for r in alert_rules()}
     assert names == {"StreamtrainLagGrowing", "StreamtrainNotTraining", "StreamtrainCheckpointStale",
                      "StreamtrainBadEventRate", "StreamtrainAUCBelowFloor", "StreamtrainAUCFalling",
-                     "StreamtrainRankDown"}
+                     "StreamtrainRankDown", "StreamtrainDeadLetterBlocked", "StreamtrainConsumptionPaused"}
     readme = (REPO / "README.md").read_text()
     assert all(name in readme for name in names), "the README's Operating section explains every alert"
 
@@ -115,6 +115,7 @@ class Prometheus:
 def test_every_dashboard_query_and_alert_works_on_a_live_prometheus(kafka, topic_name, start_worker, tmp_path):
     tool("prometheus")
     produce(kafka.bootstrap_servers, topic_name, 20_000, partitions=4, seed=51, schema_path=SCHEMA)
+    create_topic(kafka.bootstrap_servers, topic_name + ".dlq", 1)  # where the undecodable payloads go
     garbage = Producer({"bootstrap.servers": kafka.bootstrap_servers})
     for i in range(20):  # undecodable payloads, so the error panels have something to show
         garbage.produce(topic_name, value=b"\xff" * (i + 1), partition=i % 4)

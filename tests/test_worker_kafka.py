@@ -28,11 +28,11 @@ def end_offsets(kafka, topic: str) -> dict[int, int]:
         consumer.close()
 
 
-def committed_offsets(kafka, topic: str, group: str) -> dict[int, int]:
+def committed_offsets(kafka, topic: str, group: str, partitions: int = PARTITIONS) -> dict[int, int]:
     consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": group})
     try:
         return {tp.partition: tp.offset for tp in consumer.committed(
-            [TopicPartition(topic, p) for p in range(PARTITIONS)], timeout=10)}
+            [TopicPartition(topic, p) for p in range(partitions)], timeout=10)}
     finally:
         consumer.close()
 

@@ -1,0 +1,296 @@
+"""Dead letters: payloads that cannot become training examples, and the error-rate pause.
+
+``DeadLetterWriter`` produces each rejected event to the dead-letter topic with its key, value,
+timestamp and headers as read, plus headers saying why and where it came from. The prefetch
+thread calls ``write`` before it hands over the batch whose positions cover those events, so a
+position the trainer records (and later commits or snapshots) never covers an event that is in
+neither the model nor the dead-letter topic. A write that fails is retried with exponential
+backoff for as long as it takes: consumption blocks, loudly, and the event is never dropped.
+Delivery is at least once: a retried or re-read event can reach the topic twice; the source
+headers identify it.
+
+``ErrorRateLimit`` pauses consumption when too many of the recent events were rejected, so a
+poisoned topic stops loudly instead of emptying into the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from typing import Callable
+
+from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka.admin import AdminClient
+
+from streamtrain.config import DeadLetterConfig, KafkaConfig
+from streamtrain.metrics import WorkerMetrics
+from streamtrain.source import RawEvent
+
+log = logging.getLogger(__name__)
+
+# Headers added to every dead letter, after the event's own. Values are UTF-8 text; partition and
+# offset are decimal, as Kafka Connect writes its __connect.errors.* headers.
+HEADER_REASON = "streamtrain.error.reason"  # one of the decoder's reason codes, e.g. truncated
+HEADER_DETAIL = "streamtrain.error.detail"  # the decoder's full message, when it says more than the code
+HEADER_TOPIC = "streamtrain.source.topic"
+HEADER_PARTITION = "streamtrain.source.partition"
+HEADER_OFFSET = "streamtrain.source.offset"
+HEADER_GROUP = "streamtrain.source.group"  # the worker's consumer group
+
+# While stopping, a write already under way gets this long to be acknowledged before it is
+# abandoned (its batch is then not trained, and the events are read again on the next start).
+STOPPING_GRACE_SECONDS = 5.0
+SUMMARY_INTERVAL_SECONDS = 10.0
+
+
+def reason_code(reason: str) -> str:
+    """The decoder's reason code: the text before any ':' detail."""
+    return reason.split(":", 1)[0].strip()
+
+
+class DeadLetterWriter:
+    """Writes rejected events to ``dead_letter.topic`` (default ``<kafka.topic>.dlq``) with an
+    idempotent producer (acks=all) that uses the consumer's client properties (security)."""
+
+    def __init__(self, config: DeadLetterConfig, kafka: KafkaConfig, metrics: WorkerMetrics):
+        self.config = config
+        self.kafka = kafka
+        self.metrics = metrics
+        self.source_topic = kafka.topic
+        self.topic = config.resolved_topic(kafka.topic)
+        self._fatal: KafkaError | None = None
+        self._producer = self._new_producer()
+        self._summary: Counter[str] = Counter()
+        self._summary_since = time.monotonic()
+        self._summarised = False
+
+    def _new_producer(self) -> Producer:
+        self._fatal = None
+        return Producer({
+            "broker.address.family": "v4",  # as the consumer; kafka.client_config may override it
+            **self.kafka.librdkafka(),
+            "error_cb": self._client_error,
+            "enable.idempotence": True,
+            "acks": "all",
+            "partitioner": "murmur2_random",  # the Java client's: one key, one dead-letter partition
+            "linger.ms": 5,
+            "message.timeout.ms": max(int(self.config.delivery_timeout_seconds * 1000), 100),
+            # An absent topic fails the attempt within it, instead of librdkafka's 30 s default.
+            "topic.metadata.propagation.max.ms": max(int(self.config.delivery_timeout_seconds * 1000), 100),
+        })
+
+    def _client_error(self, error: KafkaError) -> None:
+        self.metrics.kafka_errors.labels(error.name()).inc()
+        if error.fatal():
+            self._fatal = error
+        log.warning("Kafka dead-letter producer: %s", error.str())
+
+    def check_topic(self, timeout: float = 10.0) -> None:
+        """Says at start-up where dead letters go, and loudly if that topic cannot take them now."""
+        admin = AdminClient({"broker.address.family": "v4", **self.kafka.librdkafka()})
+        try:
+            topic = admin.list_topics(self.topic, timeout=timeout).topics.get(self.topic)
+            problem = None if topic is not None and topic.error is None and topic.partitions else (
+                topic.error.str() if topic is not None and topic.error is not None else "it does not exist")
+        except KafkaException as error:
+            problem = f"its metadata could not be read: {error}"
+        if problem is None:
+            log.info("events that cannot be decoded go to the dead-letter topic %s (%d partitions), with "
+                     "header %s saying why", self.topic, len(topic.partitions), HEADER_REASON)
+        else:
+            log.error("the dead-letter topic %s cannot take events (%s): the first event that cannot be decoded "
+                      "will block consumption of %s until it can; create it like the source topic, or set "
+                      "dead_letter.topic", self.topic, problem, self.source_topic)
+
+    def write(self, rejected: list[tuple[RawEvent, str]], stopping: threading.Event) -> bool:
+        """Produces every rejected event and waits until each is acknowledged by all in-sync
+        replicas, retrying failures with exponential backoff for as long as it takes.
+
+        Returns True once all are written; False only if ``stopping`` was set first (the caller
+        must then not hand over the batch these events belong to)."""
+        pending = rejected
+        backoff = self.config.retry_backoff_seconds
+        attempt = 0
+        blocked_since = None
+        while True:
+            attempt += 1
+            outcome = self._attempt(pending, stopping)
+            if outcome is None:
+                return False
+            written, failures = outcome
+            self._count(written)
+            if not failures:
+                if blocked_since is not None:
+                    self.metrics.dead_letter_blocked.set(0)
+                    log.warning("the dead-letter topic %s took the events after %d attempts and %.1fs: consuming "
+                                "%s again", self.topic, attempt, time.monotonic() - blocked_since, self.source_topic)
+                return True
+            codes = Counter(error.name() for _event, _reason, error in failures)
+            for code, n in codes.items():
+                self.metrics.dead_letter_failures.labels(code).inc(n)
+            if blocked_since is None:
+                blocked_since = time.monotonic()
+                self.metrics.dead_letter_blocked.set(1)
+            first = min(failures, key=lambda f: (f[0].partition, f[0].offset))[0]
+            log.error("cannot write %d dead letters to %s (%s): consumption of %s is BLOCKED at partition %d "
+                      "offset %d until they are written; attempt %d, retrying in %.1fs", len(failures), self.topic,
+                      "; ".join(f"{code} x{n}: {_first_message(failures, code)}" for code, n in codes.items()),
+                      self.source_topic, first.partition, first.offset, attempt, backoff)
+            if self._fatal is not None:
+                log.error("the dead-letter producer failed fatally (%s); starting a new one", self._fatal.str())
+                self._producer.purge()
+                self._producer = self._new_producer()
+            if stopping.wait(backoff):
+                log.error("stopping while %d dead letters are unwritten: their batch is not trained, and the "
+                          "events are read again on the next start", len(failures))
+                return False
+            backoff = min(backoff * 2, self.config.retry_backoff_max_seconds)
+            pending = [(event, reason) for event, reason, _error in failures]
+
+    def _attempt(self, pending: list[tuple[RawEvent, str]], stopping: threading.Event
+                 ) -> tuple[list[tuple[RawEvent, str]], list[tuple[RawEvent, str, KafkaError]]] | None:
+        """One try at writing ``pending``: those written and those that failed, or None if a stop
+        cut it short."""
+        results: list[KafkaError | bool | None] = [None] * len(pending)
+        producer = self._producer
+
+        def delivered(index: int) -> Callable[[KafkaError | None, object], None]:
+            return lambda error, _message: results.__setitem__(index, True if error is None else error)
+
+        for index, (event, reason) in enumerate(pending):
+            headers = list(event.headers or ())
+            code = reason_code(reason)
+            headers.append((HEADER_REASON, code.encode()))
+            if code != reason:
+                headers.append((HEADER_DETAIL, reason.encode()))
+            headers += [(HEADER_TOPIC, self.source_topic.encode()), (HEADER_PARTITION, b"%d" % event.partition),
+                        (HEADER_OFFSET, b"%d" % event.offset), (HEADER_GROUP, self.kafka.group_id.encode())]
+            timestamp = {"timestamp": event.timestamp_ms} if event.timestamp_ms > 0 else {}
+            while True:
+                try:
+                    producer.produce(self.topic, value=event.value, key=event.key, headers=headers,
+                                     on_delivery=delivered(index), **timestamp)
+                    break
+                except BufferError:  # the local queue is full: let it drain
+                    producer.poll(0.1)
+                except KafkaException as error:
+                    results[index] = error.args[0]
+                    break
+        deadline = time.monotonic() + self.config.delivery_timeout_seconds + 5.0
+        while any(r is None for r in results):
+            if stopping.is_set():
+                deadline = min(deadline, time.monotonic() + STOPPING_GRACE_SECONDS)
+            if time.monotonic() >= deadline:
+                if stopping.is_set():
+                    return None
+                break
+            producer.flush(0.1)
+        timed_out = KafkaError(KafkaError._MSG_TIMED_OUT, "no delivery report within the attempt")
+        written = [item for item, result in zip(pending, results) if result is True]
+        failures = [(event, reason, timed_out if result is None else result)
+                    for (event, reason), result in zip(pending, results) if result is not True]
+        return written, failures
+
+    def _count(self, written: list[tuple[RawEvent, str]]) -> None:
+        if not written:
+            return
+        codes = Counter(reason_code(reason) for _event, reason in written)
+        for code, n in codes.items():
+            self.metrics.dead_letter_events.labels(code).inc(n)
+        self._summary.update(codes)
+        now = time.monotonic()
+        if not self._summarised or now - self._summary_since >= SUMMARY_INTERVAL_SECONDS:
+            self.log_summary()
+
+    def log_summary(self) -> None:
+        """Logs what was dead-lettered since the last summary; the first one at once."""
+        if self._summary:
+            self._summarised = True
+            log.warning("%d events of %s could not be decoded and went to %s in the last %.0fs: %s",
+                        sum(self._summary.values()), self.source_topic, self.topic,
+                        time.monotonic() - self._summary_since, _describe(self._summary))
+        self._summary = Counter()
+        self._summary_since = time.monotonic()
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.log_summary()
+        self._producer.flush(timeout)
+
+
+class ErrorRateLimit:
+    """Pauses when more than ``max_error_rate`` of the last ``window_events`` events (at least)
+    were rejected, for ``pause_seconds``; then starts a fresh window."""
+
+    def __init__(self, max_error_rate: float, window_events: int, pause_seconds: float,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_error_rate = max_error_rate
+        self.window_events = window_events
+        self.pause_seconds = pause_seconds
+        self.clock = clock
+        self._window: deque[tuple[int, Counter[str] | None]] = deque()  # per batch: events, reasons
+        self.events = 0
+        self.rejected = 0
+        self.paused_until: float | None = None
+        self.tripped_at_events = 0
+
+    def record(self, events: int, reasons: Counter[str] | None) -> Counter[str] | None:
+        """Counts one batch: ``events`` read, ``reasons`` of those rejected. Returns the reasons
+        seen in the window when this batch starts a pause, else None."""
+        rejected = sum(reasons.values()) if reasons else 0
+        self._window.append((events, reasons or None))
+        self.events += events
+        self.rejected += rejected
+        while len(self._window) > 1 and self.events - self._window[0][0] >= self.window_events:
+            old_events, old_reasons = self._window.popleft()
+            self.events -= old_events
+            self.rejected -= sum(old_reasons.values()) if old_reasons else 0
+        if self.events < self.window_events or self.rejected <= self.max_error_rate * self.events:
+            return None
+        seen: Counter[str] = Counter()
+        for _events, batch_reasons in self._window:
+            if batch_reasons:
+                seen.update(batch_reasons)
+        self.paused_until = self.clock() + self.pause_seconds
+        self.tripped_at_events = self.events  # the window that tripped, for the log
+        self._window.clear()
+        self.events = self.rejected = 0
+        return seen
+
+    def paused(self) -> bool:
+        """True until the pause has lasted ``pause_seconds``."""
+        if self.paused_until is None:
+            return False
+        if self.clock() >= self.paused_until:
+            self.paused_until = None
+            return False
+        return True
+
+    def rate(self) -> float:
+        return self.rejected / self.events if self.events else 0.0
+
+
+def _describe(reasons: Counter[str]) -> str:
+    return ", ".join(f"{reason} x{n}" for reason, n in reasons.most_common())
+
+
+def _first_message(failures: list[tuple[RawEvent, str, KafkaError]], code: str) -> str:
+    return next(error.str() for _e, _r, error in failures if error.name() == code)
+
+
+def from_config(config: DeadLetterConfig, kafka: KafkaConfig, metrics: WorkerMetrics,
+                rank: int) -> tuple[DeadLetterWriter | None, ErrorRateLimit | None]:
+    """The worker's dead-letter writer (None when disabled) and error-rate limit (None at 1.0)."""
+    writer = None
+    if config.enabled:
+        writer = DeadLetterWriter(config, kafka, metrics)
+        if rank == 0:
+            writer.check_topic()
+    elif rank == 0:
+        log.warning("dead_letter.enabled is false: events that cannot be decoded are logged, counted in "
+                    "streamtrain_decode_errors_total and LOST")
+    limit = None
+    if config.max_error_rate < 1.0:
+        limit = ErrorRateLimit(config.max_error_rate, config.window_events, config.pause_seconds)
+    return writer, limit
