@@ -159,22 +159,8 @@ def _checkpoints(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     from streamtrain import bench
-    from streamtrain.config import load_config
 
-    progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
-    if args.name == "memory":
-        seconds = 12.0 if args.quick else args.seconds
-        result = bench.bench_memory(args.config, seconds, 100_000 if args.quick else args.backlog, progress)
-    elif args.name == "train-step":
-        sizes = [bench.StepSize(512, 4, 8, 10_000)] if args.quick else bench.TRAIN_STEP_SIZES
-        result = bench.bench_train_step(sizes, 2.0 if args.quick else args.seconds, progress)
-    else:
-        config = load_config(args.config)
-        seconds, rounds = (4.0, 1) if args.quick else (args.seconds, args.rounds)
-        result = bench.bench_checkpoint(config, seconds, rounds, args.interval_seconds, progress)
-    print(bench.report(result))
-    print(f"results: {bench.save(result)}")
-    return 0
+    return bench.main(args.name, args.options)
 
 
 def _step_dir_name(path: Path) -> str | None:
@@ -250,22 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints.add_argument("path", type=str)
     checkpoints.set_defaults(run=_checkpoints)
 
+    from streamtrain.bench import describe as describe_benchmarks
+
     bench = commands.add_parser(
         "bench", help="benchmarks that run a contender beside its baseline and print the ratio",
-        description="checkpoint: training throughput with an async snapshot every --interval-seconds against "
-                    "none, in alternating legs on one trainer and the same in-memory batches. train-step: one "
-                    "nn.EmbeddingBag per feature with torch's sparse Adagrad against the fused TBE path (EBC "
-                    "under DMP), at several batch sizes, feature counts, dims and table sizes. memory: the worker's RSS, "
-                    "sampled every second, while a backlog far larger than it can train waits in a local Kafka.")
-    bench.add_argument("name", choices=["checkpoint", "train-step", "memory"])
-    bench.add_argument("--backlog", type=int, default=4_000_000,
-                       help="memory: events waiting in Kafka, far more than the worker trains (default 4,000,000)")
-    bench.add_argument("--config", type=Path, default=PACKAGE_ROOT / "deploy" / "worker.yaml")
-    bench.add_argument("--seconds", type=float, default=20.0,
-                       help="length of each leg (default 20; train-step: per size and round)")
-    bench.add_argument("--rounds", type=int, default=2, help="baseline/contender pairs (default 2)")
-    bench.add_argument("--interval-seconds", type=float, default=3.0, help="snapshot interval (default 3)")
-    bench.add_argument("--quick", action="store_true", help="one short round: proves it runs, judges nothing")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Each benchmark runs a contender and its baseline in one run on the same data, prints a "
+                    "table with their ratio and writes JSON under results/. `streamtrain bench NAME --help` "
+                    "shows a benchmark's options.\n\n" + describe_benchmarks())
+    bench.add_argument("name", metavar="NAME", help="a benchmark, `all` or `report`")
+    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's options, e.g. --quick")
     bench.set_defaults(run=_bench)
 
     demo = commands.add_parser(

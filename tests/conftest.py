@@ -8,12 +8,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import pytest
 
+from streamtrain.bench.common import cpu_seconds, scrape  # noqa: F401 (cpu_seconds: for the tests)
 from streamtrain.devkafka import KafkaBroker, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -61,17 +61,7 @@ class WorkerProcess:
 
     def scrape(self) -> dict[str, float]:
         """The metrics endpoint's samples as {'name{labels}': value}; empty if it is not up."""
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=2) as reply:
-                text = reply.read().decode()
-        except OSError:
-            return {}
-        samples = {}
-        for line in text.splitlines():
-            if line and not line.startswith("#"):
-                name, value = line.rsplit(" ", 1)
-                samples[name] = float(value)
-        return samples
+        return scrape(self.metrics_port)
 
     def total(self, metric: str, samples: dict[str, float] | None = None) -> float:
         samples = self.scrape() if samples is None else samples
@@ -144,7 +134,3 @@ def start_ranks(start_worker):
     return start
 
 
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time a process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -4,7 +4,15 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, SMALL_CONFIG
+
+
+@pytest.fixture(autouse=True)
+def results_in_tmp(tmp_path, monkeypatch):
+    """Quick runs write their JSON to a temporary folder, never over the results a report shows."""
+    monkeypatch.setenv("STREAMTRAIN_BENCH_RESULTS", str(tmp_path / "results"))
 
 
 def test_checkpoint_benchmark_runs_and_reports_a_ratio(tmp_path):
@@ -34,3 +42,96 @@ def test_memory_benchmark_samples_the_workers_rss():
     saved = json.loads(open(result.stdout.split("results: ")[1].strip()).read())
     assert len(saved["samples"]) >= 10 and all(rss > 0 for _t, rss in saved["samples"])
     assert "events trained" in saved["worker_summary"]
+
+
+def _bench(*args: str, timeout: float = 300) -> dict:
+    result = subprocess.run([sys.executable, "-m", "streamtrain", "bench", *args], cwd=REPO, capture_output=True,
+                            text=True, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(open(result.stdout.split("results: ")[1].strip()).read())
+
+
+def test_e2e_benchmark_trains_the_topic_with_the_worker_the_naive_loop_and_the_limit():
+    saved = _bench("e2e", "--quick", "--config", str(SMALL_CONFIG))
+    legs = saved["legs"]
+    assert set(legs) == {"worker", "naive", "limit"}
+    for name in ("worker", "naive"):  # both trained every event of the topic
+        assert legs[name]["total_events"] == saved["events"], (name, legs[name])
+    assert all(leg["events_per_second"] > 0 and leg["events"] > 0 for leg in legs.values())
+    assert saved["worker_over_naive"] > 0 and saved["worker_over_limit"] > 0
+    assert saved["machine"]["cores"] and saved["machine"]["torchrec"]
+
+
+def test_pipeline_benchmark_runs_both_pipelines_on_two_ranks():
+    saved = _bench("pipeline", "--quick", "--config", str(SMALL_CONFIG))
+    assert saved["ranks"] == 2
+    assert saved["legs"]["base"]["events"] == saved["legs"]["sparse_dist"]["events"] > 0
+    assert saved["ratio"] > 0
+
+
+def test_freshness_benchmark_reports_quantiles_at_each_load():
+    saved = _bench("freshness", "--quick", "--config", str(SMALL_CONFIG))
+    assert saved["max_events_per_second"] > 0
+    assert [load["load"] for load in saved["loads"]] == [0.5, 0.9]
+    for load in saved["loads"]:
+        assert load["counted_events"] > 0 and load["cdf"]
+        assert 0 <= load["freshness"]["p50"] <= load["freshness"]["p99"] <= load["freshness"]["max"]
+
+
+def test_report_renders_markdown_and_plots_from_results(tmp_path):
+    """From hand-written results of every kind, so it needs no benchmark run."""
+    results = tmp_path / "results"
+    results.mkdir()
+    machine = {"cores": 2, "device": "cpu", "torch": "2", "torchrec": "1", "fbgemm_gpu": "1"}
+    rate = {"events_per_second": 1000.0, "events": 10, "seconds": 1.0}
+    fixtures = {
+        "e2e": {"legs": {"worker": rate, "naive": rate, "limit": rate}, "worker_over_naive": 1.0,
+                "worker_over_limit": 1.0, "events": 10, "partitions": 4, "ranks": 2, "warm_up_seconds": 1},
+        "pipeline": {"legs": {"base": rate, "sparse_dist": rate}, "ratio": 1.0, "ranks": 2, "rounds": 1,
+                     "steps_per_leg": 5},
+        "memory": {"samples": [[0, 2**20], [1, 2**20]], "warm_up_seconds": 0, "backlog_events": 10,
+                   "growth_after_warm_up": 0.0, "rss_after_warm_up_bytes": 2**20,
+                   "rss_peak_after_warm_up_bytes": 2**20},
+        "freshness": {"max_events_per_second": 1000.0, "seconds": 5, "warm_up_seconds": 1, "loads": [
+            {"load": 0.5, "rate": 500.0, "produced_events_per_second": 500.0,
+             "trained_events_per_second_after_warm_up": 500.0, "cdf": [[0.1, 0.0], [0.5, 1.0]],
+             "freshness": {"p50": 0.2, "p99": 0.4, "max": 0.5}}]},
+    }
+    for name, fields in fixtures.items():
+        (results / f"{name}-20260101-000000.json").write_text(
+            json.dumps({"benchmark": name, "machine": machine, **fields}))
+    readme = tmp_path / "README.md"
+    readme.write_text("before\n<!-- bench-report:start -->\nold\n<!-- bench-report:end -->\nafter\n")
+    result = subprocess.run([sys.executable, "-m", "streamtrain", "bench", "report", "--results", str(results),
+                             "--out", str(tmp_path / "out"), "--readme", str(readme)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = readme.read_text()
+    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+    assert "| naive consume-decode-train loop |" in text and "| 50% |" in text
+    assert (tmp_path / "out" / "report.md").exists()
+    assert {p.name for p in (tmp_path / "out").glob("*.png")} == {"throughput.png", "memory_rss.png",
+                                                                   "freshness_cdf.png"}
+
+
+def test_throughput_excludes_the_warm_up_and_counts_from_its_end_to_the_last_event():
+    import numpy as np
+
+    from streamtrain.bench.common import throughput
+
+    wall = np.array([0.0, 1.0, 2.0, 3.0, 4.0, 5.0])
+    events = np.array([10, 10, 10, 0, 10, 10])
+    result = throughput(wall, events, warm_up_seconds=1.5)  # the window starts at the step at 1.0
+    assert result["events"] == 30 and result["seconds"] == 4.0 and result["events_per_second"] == 7.5
+    assert result["warm_up_events"] == 20 and result["total_events"] == 50
+
+
+def test_decode_benchmark_runs_both_decoders_and_reports_a_ratio():
+    result = subprocess.run([sys.executable, "-m", "streamtrain", "bench", "decode", "--quick"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ratio" in result.stdout
+    saved = json.loads(open(result.stdout.split("results: ")[1].strip()).read())
+    assert saved["baseline_events_per_second"] > 0 and saved["compiled_events_per_second"] > 0
+    assert saved["ratio"] == saved["compiled_events_per_second"] / saved["baseline_events_per_second"]
+    assert saved["first_call_seconds"] > 0

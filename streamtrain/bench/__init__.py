@@ -1,0 +1,129 @@
+"""``streamtrain bench NAME``: a contender and its baseline side by side in one run, reported as a ratio.
+
+Absolute times on shared machines are noise; the ratio of two runs made in the same invocation on
+the same data is the figure. Each benchmark prints a table and writes JSON under ``results/``
+(ignored by git); ``streamtrain bench report`` renders the newest result of each as markdown and
+PNG plots.
+
+Adding a benchmark: write ``streamtrain/bench/<name>.py`` with
+
+- ``add_arguments(parser)``: its own options (``--config`` and ``--quick`` are already there);
+- ``run(args, progress) -> dict``: runs it, returns the JSON-able result, with
+  ``"benchmark": NAME`` and ``"machine": common.machine()``; ``--quick`` must finish in under a
+  minute and prove only that it works;
+- ``table(result) -> str``: the text table printed after the run;
+- optionally ``markdown(result) -> str`` and ``plot(result, directory) -> list[Path]`` for
+  ``bench report``;
+
+and list it in ``BENCHMARKS`` below. Keep heavy imports (torch, torchrec) inside functions or in
+the module itself: this file is imported by the command line for every command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+
+# name -> (module, one line for --help). `bench all` runs them in this order.
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "train-step": ("streamtrain.bench.train_step",
+                   "one nn.EmbeddingBag per feature against the fused TBE path, at several sizes"),
+    "pipeline": ("streamtrain.bench.pipeline",
+                 "TrainPipelineSparseDist against TrainPipelineBase at 2 ranks, same in-memory batches"),
+    "checkpoint": ("streamtrain.bench.checkpoint",
+                   "training with an async snapshot every N seconds against none"),
+    "memory": ("streamtrain.bench.memory",
+               "the worker's RSS while a backlog far larger than it trains waits in Kafka"),
+    "e2e": ("streamtrain.bench.e2e",
+            "Kafka -> worker at 2 ranks against a naive consume-decode-train loop, and the in-memory limit"),
+    "decode": ("streamtrain.bench.decode",
+               "the compiled Avro batch decoder against fastavro plus a Python loop, same payloads, one core"),
+    "freshness": ("streamtrain.bench.freshness",
+                  "p50/p99 of (update applied - event time) at 50% and 90% of measured max throughput"),
+}
+
+
+def module(name: str) -> ModuleType:
+    return importlib.import_module(BENCHMARKS[name][0])
+
+
+def describe() -> str:
+    lines = [f"{name}: {text}" for name, (_m, text) in BENCHMARKS.items()]
+    lines += ["all: every benchmark above in turn (with --quick: each in its quick size), then report",
+              "report: render the newest result of each benchmark as markdown and PNG plots"]
+    return "\n".join(lines)
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def parser_for(name: str) -> argparse.ArgumentParser:
+    from streamtrain.config import PACKAGE_ROOT
+
+    if name in BENCHMARKS:
+        bench = module(name)
+        parser = argparse.ArgumentParser(prog=f"streamtrain bench {name}", description=bench.__doc__,
+                                         formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser.add_argument("--config", type=Path, default=PACKAGE_ROOT / "deploy" / "worker.yaml",
+                            help="the worker config whose model is trained (default deploy/worker.yaml)")
+        parser.add_argument("--quick", action="store_true",
+                            help="a small size, under a minute: proves it runs, judges nothing")
+        bench.add_arguments(parser)
+        return parser
+    parser = argparse.ArgumentParser(prog=f"streamtrain bench {name}")
+    if name == "all":
+        parser.add_argument("--quick", action="store_true", help="each benchmark in its quick size")
+        parser.add_argument("--skip", action="append", default=[], choices=list(BENCHMARKS))
+    elif name == "report":
+        from streamtrain.bench.report import add_arguments
+
+        add_arguments(parser)
+    else:
+        raise SystemExit(f"streamtrain bench: unknown benchmark {name!r}; choose from:\n{describe()}")
+    return parser
+
+
+def run_one(name: str, argv: list[str]) -> Path:
+    from streamtrain.bench.common import save
+
+    args = parser_for(name).parse_args(argv)
+    bench = module(name)
+    result = {**bench.run(args, _progress), "quick": args.quick,
+              "command": " ".join(["streamtrain", "bench", name, *argv])}
+    print(bench.table(result), flush=True)
+    path = save(result)
+    print(f"results: {path}", flush=True)
+    return path
+
+
+def main(name: str, argv: list[str]) -> int:
+    if name in BENCHMARKS:
+        run_one(name, argv)
+        return 0
+    args = parser_for(name).parse_args(argv)
+    if name == "report":
+        from streamtrain.bench.report import report
+
+        print(report(args.results, args.out, args.readme))
+        return 0
+    failed = []
+    for bench in BENCHMARKS:
+        if bench in args.skip:
+            continue
+        _progress(f"=== bench {bench}{' --quick' if args.quick else ''}")
+        try:
+            run_one(bench, ["--quick"] if args.quick else [])
+        except Exception as error:  # one failing benchmark does not hide the others' results
+            _progress(f"bench {bench} failed: {type(error).__name__}: {error}")
+            failed.append(bench)
+    from streamtrain.bench.common import RESULTS
+    from streamtrain.bench.report import report
+
+    print(report(out=RESULTS / "report"))  # docs/bench/ only when asked: `bench report`
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0

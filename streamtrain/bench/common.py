@@ -1,0 +1,267 @@
+"""What the benchmarks share: the machine description, results files, in-memory batches, timed
+training legs, local ranks, and the run records the worker writes for them."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import numpy as np
+
+from streamtrain.config import PACKAGE_ROOT
+
+if TYPE_CHECKING:
+    from streamtrain.config import WorkerConfig
+    from streamtrain.decode import ClickBatch
+    from streamtrain.train import Trainer
+
+# STREAMTRAIN_BENCH_RESULTS moves them (the tests' quick runs go to a temporary folder)
+RESULTS = Path(os.environ.get("STREAMTRAIN_BENCH_RESULTS") or PACKAGE_ROOT / "results")
+SCHEMA = PACKAGE_ROOT / "schemas" / "click_event.avsc"
+
+
+def machine() -> dict:
+    import torch
+
+    from streamtrain.checkpoint import _version
+
+    return {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "torchrec": _version("torchrec"), "fbgemm_gpu": _version("fbgemm_gpu"),
+            "device": "cuda" if torch.cuda.is_available() else "cpu"}
+
+
+def describe_machine(m: dict) -> str:
+    return (f"{m['cores']} cores, {m['device']}, torch {m['torch']}, torchrec {m['torchrec']}, "
+            f"fbgemm_gpu {m['fbgemm_gpu']}")
+
+
+def save(result: dict) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    result = {**result, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = RESULTS / f"{result['benchmark']}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    path.write_text(json.dumps(result, indent=2))
+    return path
+
+
+def latest(benchmark: str, results: Path = RESULTS) -> dict | None:
+    """The newest full-size result of ``benchmark`` under ``results``, else the newest quick one, else None."""
+    found = [json.loads(p.read_text()) for p in sorted(results.glob(f"{benchmark}-[0-9]*.json"))]
+    full = [r for r in found if not r.get("quick")]
+    return (full or found or [None])[-1]
+
+
+def synthetic_batches(config: "WorkerConfig", count: int, seed: int = 0) -> list["ClickBatch"]:
+    """``count`` decoded batches of ``batching.batch_size`` events from the synthetic stream."""
+    from streamtrain.decode import AvroBatchDecoder
+    from streamtrain.produce import AvroEncoder, ClickStream, encoded_events
+    from streamtrain.source import RawEvent
+
+    decoder = AvroBatchDecoder(config.features)
+    size = config.batching.batch_size
+    events = [RawEvent(0, i, value, 0) for i, (_key, value, _p, _clk) in enumerate(
+        encoded_events(ClickStream(seed, 0), AvroEncoder(config.features.resolved_schema_path()), count * size))]
+    return [decoder.decode(events[i:i + size]).batch for i in range(0, len(events), size)]
+
+
+@dataclass
+class Leg:
+    events: int = 0
+    seconds: float = 0.0
+    snapshots: list[float] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.events / self.seconds if self.seconds else 0.0
+
+
+def train_for(trainer: "Trainer", batches: list["ClickBatch"], seconds: float | None = None,
+              after_step: Callable[[int], None] = lambda step: None, steps: int | None = None) -> Leg:
+    """Train ``batches`` round and round for ``seconds`` (one rank) or exactly ``steps`` batches
+    (several ranks must agree on when to stop, so they count steps)."""
+    deadline = time.perf_counter() + seconds if seconds is not None else None
+
+    def feed() -> Iterator["ClickBatch"]:
+        for index, batch in enumerate(itertools.cycle(batches)):
+            if (deadline is not None and time.perf_counter() >= deadline) or (steps is not None and index >= steps):
+                return
+            yield batch
+
+    leg = Leg()
+    started = time.perf_counter()
+    for result in trainer.train(feed()):
+        leg.events += result.batch.size
+        after_step(result.step)
+    leg.seconds = time.perf_counter() - started
+    return leg
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time a process has used so far (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def scrape(port: int, timeout: float = 2.0) -> dict[str, float]:
+    """A metrics endpoint's samples as {'name{labels}': value}; empty if it does not answer."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return {}
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def wait_until_training(port: int, process, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if any(k.startswith("streamtrain_events_trained_total{") and v > 0 for k, v in scrape(port).items()):
+            return
+        time.sleep(0.5)
+    raise RuntimeError("the worker did not start training")
+
+
+def wait_until_ready(port: int, process, timeout: float = 180.0) -> None:
+    """Until /readyz answers 200: the worker has planned, built its model and reached the broker."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"the worker was not ready within {timeout:.0f}s (exit code {process.poll()})")
+
+
+# --- run records: what `streamtrain worker` writes when STREAMTRAIN_RUN_RECORD names a folder ---
+
+@dataclass
+class RunRecord:
+    """Every step of every rank: wall time and events trained, and each trained event's freshness."""
+    step_wall: np.ndarray  # [steps] time.time() when the step's update was applied
+    step_events: np.ndarray  # [steps] events trained by that rank in that step
+    freshness: np.ndarray  # [events] seconds from event_time to the update, in training order
+    ranks: int
+
+    @classmethod
+    def load(cls, folder: Path) -> "RunRecord":
+        parts = [np.load(path) for path in sorted(Path(folder).glob("rank-*.npz"))]
+        if not parts:
+            raise RuntimeError(f"no run record under {folder}: did the worker exit cleanly?")
+        wall = np.concatenate([p["step_wall"] for p in parts])
+        events = np.concatenate([p["step_events"] for p in parts])
+        # freshness values in step order, per rank; a step's events share its wall time
+        fresh_wall = np.concatenate([np.repeat(p["step_wall"], p["step_events"]) for p in parts])
+        fresh = np.concatenate([p["freshness"] for p in parts])
+        order = np.argsort(wall, kind="stable")
+        fresh_order = np.argsort(fresh_wall, kind="stable")
+        record = cls(wall[order], events[order], fresh[fresh_order], len(parts))
+        record.fresh_wall = fresh_wall[fresh_order]
+        # the worker's step durations and data waits (the naive loop records none)
+        if all("step_seconds" in p for p in parts):
+            record.step_seconds = np.concatenate([p["step_seconds"] for p in parts])[order]
+            record.step_wait = np.concatenate([p["step_wait"] for p in parts])[order]
+        return record
+
+    def data_wait_share(self, warm_up_seconds: float) -> float | None:
+        """Of the trainer's step time after the warm-up, the share spent waiting for the next batch
+        and the ranks' vote: near 0, training is the limit; large, the data path is."""
+        if not hasattr(self, "step_seconds"):
+            return None
+        trained = self.step_events > 0
+        after = self.step_wall >= self.step_wall[trained][0] + warm_up_seconds if trained.any() else trained
+        total = float(self.step_seconds[after].sum())
+        return float(self.step_wait[after].sum()) / total if total else None
+
+    def window(self, warm_up_seconds: float) -> dict:
+        """Events/s from the first step ``warm_up_seconds`` after the first trained event to the last
+        trained event, over all ranks."""
+        return throughput(self.step_wall, self.step_events, warm_up_seconds)
+
+
+def throughput(step_wall: np.ndarray, step_events: np.ndarray, warm_up_seconds: float) -> dict:
+    """Events trained after the warm-up over the time from the warm-up's end to the last trained event.
+
+    The warm-up is the first ``warm_up_seconds`` after the first trained event; the window starts
+    at the last step inside it (so the events of the steps after it are exactly those trained in
+    the window)."""
+    trained = step_events > 0
+    wall, events = step_wall[trained], step_events[trained]
+    if wall.size < 2:
+        return {"events": int(events.sum()), "seconds": 0.0, "events_per_second": 0.0,
+                "warm_up_seconds": warm_up_seconds, "total_events": int(events.sum())}
+    first = wall[0]
+    inside = wall <= first + warm_up_seconds
+    start = wall[inside][-1] if inside.any() else first
+    if (wall > start).sum() < 2:  # a run shorter than its warm-up (a quick run): count it all, and say so
+        start = first
+    after = wall > start
+    seconds = float(wall[-1] - start)
+    counted = int(events[after].sum())
+    return {"events": counted, "seconds": seconds, "events_per_second": counted / seconds if seconds > 0 else 0.0,
+            "warm_up_seconds": float(start - first), "warm_up_events": int(events[~after].sum()),
+            "total_events": int(events.sum()), "first_to_last_seconds": float(wall[-1] - first)}
+
+
+def quantiles(values: np.ndarray, qs: tuple[float, ...] = (0.5, 0.9, 0.99, 0.999)) -> dict[str, float]:
+    if values.size == 0:
+        return {f"p{q * 100:g}": float("nan") for q in qs}
+    return {f"p{q * 100:g}": float(np.quantile(values, q)) for q in qs}
+
+
+def cdf_points(values: np.ndarray, points: int = 200) -> list[list[float]]:
+    """[[seconds, fraction <= seconds]], ``points`` of them, for plotting a CDF without every event."""
+    if values.size == 0:
+        return []
+    qs = np.linspace(0.0, 1.0, points)
+    return [[float(v), float(q)] for v, q in zip(np.quantile(values, qs), qs)]
+
+
+def free_port_pair() -> int:
+    """A port p with p + 1 free too: a worker's rank r serves metrics on p + r."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                    return port
+                except OSError:
+                    continue
+    raise RuntimeError("no two adjacent free ports")
+
+
+def local_rank_env(rank: int, world_size: int, master_port: int) -> dict[str, str]:
+    """The environment torchrun gives a local rank."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "RANK": str(rank),
+            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": "1"}

@@ -1,0 +1,323 @@
+"""e2e: what the whole data path sustains, Kafka to applied update, at 2 ranks.
+
+N planted-signal events are written to a local Kafka topic with several partitions. Then, on
+that same topic and in the same run:
+
+- worker: ``streamtrain worker --nproc 2 --until-end`` (torch's elastic launcher, gloo);
+- naive: a plain consume-decode-train loop with the same model arithmetic
+  (``streamtrain/bench/naive.py``: fastavro per record, Python lists to tensors, one
+  nn.EmbeddingBag per table, DDP, no prefetch, no overlap), 2 ranks;
+- limit: the worker's Trainer on 2 ranks from pre-built in-memory batches (as many distinct
+  events as the topic held, decoded before the clock starts), no Kafka and no decoding: the
+  ceiling the data path can approach.
+
+Each figure is events/s over both ranks from the end of the warm-up to the last trained event;
+the warm-up is the first --warm-up seconds after the first trained event. Printed ratios: worker
+over naive (goal >= 2) and worker over limit (goal >= 0.9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from streamtrain.bench.common import (RESULTS, SCHEMA, RunRecord, describe_machine, local_rank_env, machine,
+                                      throughput)
+from streamtrain.config import PACKAGE_ROOT
+
+WORLD_SIZE = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--events", type=int, default=1_000_000,
+                        help="events written and trained (default 1,000,000)")
+    parser.add_argument("--partitions", type=int, default=4, help="partitions of the topic (default 4)")
+    parser.add_argument("--warm-up", type=float, default=5.0,
+                        help="seconds after the first trained event that are not counted (default 5)")
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the naive consume-decode-train loop (default on)")
+    parser.add_argument("--limit", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the in-memory limit: the same model from pre-built batches (default on)")
+    parser.add_argument("--profile", action="store_true",
+                        help="sample the worker and naive ranks with py-spy (collapsed stacks under results/) "
+                             "and report where their CPU time goes")
+
+
+def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
+    from streamtrain.devkafka import KafkaBroker
+    from streamtrain.produce import produce
+
+    events = 60_000 if args.quick else args.events
+    warm_up = 0.5 if args.quick else args.warm_up
+    legs: dict[str, dict] = {}
+    with KafkaBroker() as broker:
+        progress(f"writing {events:,} events to a {args.partitions}-partition topic")
+        produce(broker.bootstrap_servers, "e2e", events, partitions=args.partitions, seed=11, schema_path=SCHEMA)
+        progress("worker: streamtrain worker --nproc 2 --until-end")
+        legs["worker"] = worker_leg(args.config, broker.bootstrap_servers, "e2e", warm_up, profile=args.profile)
+        progress(f"  {legs['worker']['events_per_second']:,.0f} events/s")
+        if args.baseline:
+            progress("naive: consume, fastavro per record, lists -> tensors, EmbeddingBag per table, DDP")
+            legs["naive"] = naive_leg(args.config, broker.bootstrap_servers, "e2e", warm_up, profile=args.profile)
+            progress(f"  {legs['naive']['events_per_second']:,.0f} events/s")
+    if args.limit:
+        progress("limit: the worker's trainer from in-memory batches, no Kafka, no decoding")
+        legs["limit"] = limit_leg(args.config, events, warm_up)
+        progress(f"  {legs['limit']['events_per_second']:,.0f} events/s")
+    rate = {name: leg["events_per_second"] for name, leg in legs.items()}
+    return {"benchmark": "e2e", "machine": machine(), "config": str(args.config), "events": events,
+            "partitions": args.partitions, "ranks": WORLD_SIZE, "warm_up_seconds": warm_up, "legs": legs,
+            "worker_over_naive": rate["worker"] / rate["naive"] if rate.get("naive") else None,
+            "worker_over_limit": rate["worker"] / rate["limit"] if rate.get("limit") else None}
+
+
+def worker_environment(bootstrap: str, topic: str, record: Path, metrics_port: int = 0) -> dict[str, str]:
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
+            "STREAMTRAIN_KAFKA__TOPIC": topic, "STREAMTRAIN_KAFKA__GROUP_ID": f"bench-{topic}",
+            "STREAMTRAIN_METRICS__PORT": str(metrics_port), "STREAMTRAIN_RUN_RECORD": str(record)}
+
+
+def worker_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout: float = 900.0,
+               profile: bool = False) -> dict:
+    """``streamtrain worker --nproc 2 --until-end`` on the topic; its run record gives the rate."""
+    from streamtrain.bench.common import free_port_pair, wait_until_training
+
+    with tempfile.TemporaryDirectory(prefix="streamtrain-e2e-") as folder:
+        record, port, log_path = Path(folder) / "record", free_port_pair(), Path(folder) / "worker.log"
+        started = time.time()
+        with open(log_path, "wb") as log:
+            worker = subprocess.Popen(
+                [sys.executable, "-m", "streamtrain", "worker", "--config", str(config), "--nproc", str(WORLD_SIZE),
+                 "--until-end"], cwd=PACKAGE_ROOT, env=worker_environment(bootstrap, topic, record, port),
+                stdout=subprocess.DEVNULL, stderr=log)
+            samplers = []
+            try:
+                if profile:
+                    wait_until_training(port, worker)
+                    time.sleep(warm_up)
+                    samplers = _sample(_children(worker.pid), "worker")
+                worker.wait(timeout)
+            finally:
+                if worker.poll() is None:
+                    worker.kill()
+                    worker.wait(10)
+                _stop(samplers)
+        text = log_path.read_text(errors="replace")
+        if worker.returncode != 0:
+            raise RuntimeError(f"the worker exited with {worker.returncode}:\n{text[-4000:]}")
+        data = RunRecord.load(record)
+        result = {**data.window(warm_up), "data_wait_share": data.data_wait_share(warm_up)}
+    summaries = [line.split("INFO ")[-1] for line in text.splitlines() if "stopped after" in line]
+    return {**result, "process_seconds": time.time() - started, "log": summaries,
+            **({"profile": profile_summary([p for _s, p in samplers])} if profile else {})}
+
+
+def naive_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout: float = 1200.0,
+              profile: bool = False) -> dict:
+    from streamtrain.devkafka import free_port
+
+    with tempfile.TemporaryDirectory(prefix="streamtrain-naive-") as folder:
+        record, port, started = Path(folder) / "record", free_port(), time.time()
+        ranks = [subprocess.Popen(
+            [sys.executable, "-m", "streamtrain.bench.naive",
+             "--config", str(config), "--bootstrap-servers", bootstrap, "--topic", topic, "--record", str(record)],
+            cwd=PACKAGE_ROOT,
+            env={**os.environ, **local_rank_env(rank, WORLD_SIZE, port)},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(WORLD_SIZE)]
+        outputs, samplers = [], []
+        try:
+            if profile:
+                deadline = time.monotonic() + 300
+                while not all((record / f"rank-{r}.started").exists() for r in range(WORLD_SIZE)):
+                    if time.monotonic() > deadline or any(rank.poll() is not None for rank in ranks):
+                        break
+                    time.sleep(0.1)
+                time.sleep(warm_up)
+                samplers = _sample([rank.pid for rank in ranks], "naive")
+            for rank in ranks:
+                outputs.append(rank.communicate(timeout=max(timeout - (time.time() - started), 1))[0])
+        finally:
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.send_signal(signal.SIGKILL)
+                    rank.wait(10)
+            _stop(samplers)
+        if any(rank.returncode for rank in ranks):
+            raise RuntimeError("the naive baseline failed:\n" + "\n".join(o[-3000:] for o in outputs))
+        result = RunRecord.load(record).window(warm_up)
+    return {**result, "process_seconds": time.time() - started,
+            "log": [line for o in outputs for line in o.splitlines() if "stopped after" in line],
+            **({"profile": profile_summary([p for _s, p in samplers])} if profile else {})}
+
+
+def limit_leg(config: Path, events: int, warm_up: float) -> dict:
+    import numpy as np
+
+    from streamtrain.bench.ranks import run_ranks
+
+    ranks = run_ranks("streamtrain.bench.e2e:limit_rank",
+                      {"config": str(config), "events": events, "min_seconds": 3 * warm_up})
+    wall = np.concatenate([np.array(r["step_wall"]) for r in ranks])
+    counts = np.concatenate([np.array(r["step_events"]) for r in ranks])
+    order = np.argsort(wall, kind="stable")
+    return throughput(wall[order], counts[order], warm_up)
+
+
+def limit_rank(config: str, events: int, min_seconds: float) -> dict:
+    """One rank of the limit: the worker's Trainer (TrainPipelineSparseDist) on pre-built batches."""
+    import torch
+    import torch.distributed as dist
+
+    from streamtrain.bench.common import synthetic_batches, train_for
+    from streamtrain.config import load_config
+    from streamtrain.train import Trainer, init_distributed
+
+    worker_config = load_config(config)
+    env = init_distributed()
+    steps = max(events // (worker_config.batching.batch_size * env.world_size), 1)
+    # As many distinct events as the topic held, from the same stream model (a seed per rank), so
+    # the tables see as many distinct rows as in the Kafka legs; decoded before the clock starts.
+    batches = synthetic_batches(worker_config, steps, seed=11 + env.rank)
+    trainer = Trainer(worker_config, env)
+    step_wall, step_events = [], []
+
+    def after_step(_step: int) -> None:
+        step_wall.append(time.time())
+        step_events.append(worker_config.batching.batch_size)
+
+    # Every batch once, in chunks; a small fast model goes round again until it has trained for
+    # ``min_seconds``, so the counted window is not empty. The ranks agree on when to stop.
+    started, done = time.monotonic(), 0
+    while True:
+        at = done % len(batches)
+        train_for(trainer, batches[at:] + batches[:at], steps=50, after_step=after_step)
+        done = len(step_wall)
+        elapsed = torch.tensor([time.monotonic() - started])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MIN)
+        if done >= steps and elapsed.item() >= min_seconds:
+            break
+    return {"step_wall": step_wall, "step_events": step_events}
+
+
+def _children(pid: int) -> list[int]:
+    """The launcher's children: the ranks."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        if len(children) >= WORLD_SIZE:
+            return children
+        time.sleep(0.2)
+    raise RuntimeError("the worker's ranks did not start")
+
+
+def _sample(pids: list[int], name: str) -> list[tuple[subprocess.Popen, Path]]:
+    """py-spy attached to running ranks (after their warm-up) until they exit: collapsed stacks,
+    100 samples/s, every thread, under results/."""
+    import shutil
+
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    RESULTS.mkdir(exist_ok=True)
+    samplers = []
+    for rank, pid in enumerate(pids):
+        path = RESULTS / f"e2e-profile-{name}-rank{rank}.txt"
+        samplers.append((subprocess.Popen([py_spy, "record", "--format", "raw", "--rate", "100", "--nonblocking",
+                                           "--pid", str(pid), "-o", str(path)],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
+    return samplers
+
+
+def _stop(samplers: list[tuple[subprocess.Popen, Path]]) -> None:
+    for sampler, _path in samplers:
+        try:
+            sampler.wait(30)  # it writes its file once the process it samples has exited
+        except subprocess.TimeoutExpired:
+            sampler.kill()
+            sampler.wait(10)
+
+
+# Where a sample's time goes, by the first rule its stack (root to leaf, as py-spy writes it) matches.
+_CATEGORIES = (
+    ("decode: Avro per record, columns, KJT", ("schemaless_reader", "streamtrain/decode.py", "decode_record (",
+                                              "_as_id_array", "map_ids")),
+    ("Kafka: consume, poll", ("consume (", "poll (streamtrain/source.py")),
+    ("lists -> tensors (naive)", ("to_tensors (",)),
+    ("lockstep: the ranks' vote, waiting for a batch", ("Lockstep.__iter__",)),
+    ("train: forward, backward, optimizer, collectives", ("progress (", "backward (", "forward (", "step (",
+                                                          "_call_impl (", "all_reduce")),
+    ("metrics and progress", ("streamtrain/metrics.py", "record (streamtrain/worker.py")),
+)
+
+
+def profile_summary(paths: list[Path]) -> dict:
+    """Shares of py-spy's samples by category, over every process and thread sampled that had a
+    Python frame; samples of threads without one (native threads py-spy cannot attribute) are
+    counted apart."""
+    counts: dict[str, int] = {}
+    total = frameless = 0
+    for path in paths:
+        if not path.exists():
+            continue
+        for line in path.read_text(errors="replace").splitlines():
+            stack, _, n = line.rpartition(" ")
+            if not n.isdigit():
+                continue
+            if not stack:
+                frameless += int(n)
+                continue
+            category = next((name for name, marks in _CATEGORIES if any(m in stack for m in marks)), "other")
+            counts[category] = counts.get(category, 0) + int(n)
+            total += int(n)
+    return {"samples": total, "samples_without_python_frame": frameless, "files": [str(p) for p in paths],
+            "top": _top_frames(paths),
+            "shares": {k: v / total for k, v in sorted(counts.items(), key=lambda kv: -kv[1])} if total else {}}
+
+
+def _top_frames(paths: list[Path], count: int = 12) -> list[list]:
+    """The innermost two frames that hold the most samples: [share, 'caller;callee']."""
+    counts: dict[str, int] = {}
+    for path in paths:
+        if path.exists():
+            for line in path.read_text(errors="replace").splitlines():
+                stack, _, n = line.rpartition(" ")
+                if n.isdigit() and stack:
+                    key = ";".join(stack.split(";")[-2:])
+                    counts[key] = counts.get(key, 0) + int(n)
+    total = sum(counts.values()) or 1
+    return [[v / total, k] for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:count]]
+
+
+def table(result: dict) -> str:
+    legs = result["legs"]
+    lines = [f"e2e benchmark on {describe_machine(result['machine'])}",
+             f"  {result['events']:,} events in a {result['partitions']}-partition local Kafka topic, "
+             f"{result['ranks']} ranks; warm-up (first {result['warm_up_seconds']:g}s after the first trained "
+             f"event) excluded",
+             f"  {'leg':<44} {'events/s':>12} {'counted':>10} {'seconds':>8}"]
+    names = {"naive": "naive consume-decode-train loop (baseline)", "worker": "streamtrain worker --until-end",
+             "limit": "limit: in-memory batches, no Kafka/decode"}
+    for name in ("naive", "worker", "limit"):
+        if name in legs:
+            leg = legs[name]
+            lines.append(f"  {names[name]:<44} {leg['events_per_second']:>12,.0f} {leg['events']:>10,} "
+                         f"{leg['seconds']:>8.1f}")
+    if result.get("worker_over_naive"):
+        lines.append(f"  worker / naive = {result['worker_over_naive']:.2f}   (goal >= 2)")
+    if result.get("worker_over_limit"):
+        lines.append(f"  worker / limit = {result['worker_over_limit']:.2f}   (goal >= 0.9)")
+    if legs["worker"].get("data_wait_share") is not None:
+        lines.append(f"  the worker's trainer waited for data (and the ranks' vote) "
+                     f"{100 * legs['worker']['data_wait_share']:.0f}% of its step time after the warm-up")
+    for name in ("worker", "naive"):
+        if "profile" in legs.get(name, {}):
+            profile = legs[name]["profile"]
+            lines.append(f"  py-spy, {name} ({profile['samples']:,} samples with a Python frame, every thread of "
+                         f"both ranks): " + ", ".join(
+                f"{k} {100 * v:.0f}%" for k, v in profile["shares"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,181 @@
+"""The naive baseline of ``bench e2e``: what one writes first, with the same model arithmetic.
+
+Each rank consumes its partitions (``p % world_size == rank``, assigned explicitly, as the worker
+does) in the training loop itself: no prefetch thread, no overlap of reading, decoding and
+training. Every record is decoded on its own with ``fastavro.schemaless_reader``; features are
+gathered into Python lists and turned into tensors per batch. The model is the worker's DLRM
+(torchrec's DenseArch, InteractionArch and OverArch, the same sizes) over one
+``nn.EmbeddingBag(sparse=True)`` per table, the whole model in DDP (gloo all-reduces the sparse
+embedding gradients too), torch's Adagrad for the tables and Adam for the dense layers.
+
+Ranks stay in step: before each step they all-reduce (events held, finished); a rank without a
+batch trains an empty one, so no collective waits forever, and all stop when every rank is done.
+
+Run by ``bench e2e`` as ``python -m streamtrain.bench.naive`` in one process per rank, with
+torchrun's environment; it writes ``<record>/rank-<N>.npz`` in the worker's run-record format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import time
+from pathlib import Path
+
+import fastavro
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch, choose
+
+from streamtrain.config import FeaturesConfig, ModelConfig, load_config
+from streamtrain.decode import _as_id_array, map_ids
+from streamtrain.schema import load_schema, without_logical_types
+
+
+class NaiveDLRM(nn.Module):
+    """torchrec's DLRM arithmetic with one nn.EmbeddingBag per table in place of the EBC."""
+
+    def __init__(self, features: FeaturesConfig, model: ModelConfig):
+        super().__init__()
+        dim = features.tables[0].embedding_dim
+        self.tables = nn.ModuleList(nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, sparse=True)
+                                    for t in features.tables)
+        for table in self.tables:  # torchrec's default initialisation of EBC tables
+            bound = (1.0 / table.num_embeddings) ** 0.5
+            nn.init.uniform_(table.weight, -bound, bound)
+        n = len(features.tables)
+        self.dense_arch = DenseArch(len(features.dense), list(model.dense_arch_layer_sizes))
+        self.inter_arch = InteractionArch(num_sparse_features=n)
+        self.over_arch = OverArch(dim + choose(n, 2) + n, list(model.over_arch_layer_sizes))
+
+    def forward(self, dense: torch.Tensor, ids: list[torch.Tensor], offsets: list[torch.Tensor]) -> torch.Tensor:
+        pooled = torch.stack([table(i, o) for table, i, o in zip(self.tables, ids, offsets)], dim=1)
+        return self.over_arch(self.inter_arch(self.dense_arch(dense), pooled)).squeeze(-1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--bootstrap-servers", required=True)
+    parser.add_argument("--topic", required=True)
+    parser.add_argument("--record", type=Path, required=True, help="folder for rank-<N>.npz")
+    args = parser.parse_args()
+
+    from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = load_config(args.config)
+    features, batch_size = config.features, config.batching.batch_size
+    schema = fastavro.parse_schema(without_logical_types(load_schema(features.resolved_schema_path())))
+
+    consumer = Consumer({"bootstrap.servers": args.bootstrap_servers, "group.id": f"naive-{args.topic}",
+                         "enable.auto.commit": False, "enable.partition.eof": True,
+                         "auto.offset.reset": "earliest", "broker.address.family": "v4", "fetch.wait.max.ms": 50})
+    topic = consumer.list_topics(args.topic, timeout=30).topics[args.topic]
+    partitions = [p for p in sorted(topic.partitions) if p % world == rank]
+    end = {p: consumer.get_watermark_offsets(TopicPartition(args.topic, p), timeout=30, cached=False)[1]
+           for p in partitions}
+    done = {p: end[p] == 0 for p in partitions}
+    consumer.assign([TopicPartition(args.topic, p, OFFSET_BEGINNING) for p in partitions])
+
+    torch.manual_seed(config.model.seed)
+    model = nn.parallel.DistributedDataParallel(NaiveDLRM(features, config.model))
+    tables = [p for name, p in model.named_parameters() if ".tables." in name]
+    dense_params = [p for name, p in model.named_parameters() if ".tables." not in name]
+    sparse_optimizer = torch.optim.Adagrad(tables, lr=config.model.sparse_learning_rate)
+    dense_optimizer = torch.optim.Adam(dense_params, lr=config.model.dense_learning_rate)
+
+    args.record.mkdir(parents=True, exist_ok=True)
+    step_wall: list[float] = []
+    step_events: list[int] = []
+    freshness: list[np.ndarray] = []
+    while True:
+        # consume up to a batch, or what arrives within max_batch_wait_ms, in the training loop itself
+        records = []
+        deadline = time.monotonic() + config.batching.max_batch_wait_ms / 1000
+        while len(records) < batch_size and not all(done.values()) and time.monotonic() < deadline:
+            for message in consume(consumer, batch_size - len(records)):
+                partition, offset = message.partition(), message.offset()
+                if message.error() is not None:
+                    if message.error().code() == KafkaError._PARTITION_EOF and offset >= end[partition]:
+                        done[partition] = True
+                    continue
+                if offset >= end[partition]:  # written after the start: not this run's
+                    done[partition] = True
+                    continue
+                done[partition] = done[partition] or offset == end[partition] - 1
+                records.append(decode_record(message.value(), schema))
+        votes = torch.tensor([len(records), all(done.values())], dtype=torch.int64)
+        dist.all_reduce(votes)
+        global_size, finished = votes.tolist()
+        if global_size == 0:
+            if finished == world:
+                break
+            continue
+
+        dense, ids, offsets, labels, times = to_tensors(records, features)
+
+        sparse_optimizer.zero_grad()
+        dense_optimizer.zero_grad()
+        logits = model(dense, ids, offsets)
+        # the worker's loss: a sum scaled by world size over the global batch (DDP averages over ranks)
+        loss = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum") * (world / global_size)
+        loss.backward()
+        sparse_optimizer.step()
+        dense_optimizer.step()
+        applied = time.time()
+        if not step_wall:  # for `bench e2e --profile`: sampling starts after the warm-up
+            (args.record / f"rank-{rank}.started").touch()
+        step_wall.append(applied)
+        step_events.append(len(records))
+        freshness.append((applied - times / 1000.0).astype(np.float32))
+
+    consumer.close()
+    args.record.mkdir(parents=True, exist_ok=True)
+    np.savez(args.record / f"rank-{rank}.npz", step_wall=np.array(step_wall), step_events=np.array(step_events),
+             freshness=np.concatenate(freshness) if freshness else np.zeros(0, np.float32))
+    print(f"naive rank {rank} stopped after {len(step_wall)} steps, {sum(step_events):,} events trained", flush=True)
+    dist.destroy_process_group()
+
+
+def consume(consumer, count: int) -> list:
+    return consumer.consume(count, timeout=0.1)
+
+
+def decode_record(value: bytes, schema) -> dict:
+    return fastavro.schemaless_reader(io.BytesIO(value), schema, None)
+
+
+def to_tensors(records: list[dict], features: FeaturesConfig):
+    """Python lists -> tensors: per table the ids and bag offsets, then dense features, labels, times."""
+    ids, offsets = [], []
+    for table in features.tables:
+        flat, starts = [], []
+        for record in records:
+            starts.append(len(flat))
+            value = record.get(table.field)
+            if isinstance(value, list):
+                flat.extend(value)
+            elif value is not None:
+                flat.append(value)
+        ids.append(torch.from_numpy(map_ids(_as_id_array(flat), table)) if flat
+                   else torch.zeros(0, dtype=torch.int64))
+        offsets.append(torch.tensor(starts, dtype=torch.int64))
+    dense = torch.tensor([[_dense(r.get(d.field), d.transform) for d in features.dense] for r in records],
+                         dtype=torch.float32).reshape(len(records), len(features.dense))
+    labels = torch.tensor([float(r[features.label]) for r in records], dtype=torch.float32)
+    times = np.array([r.get(features.event_time) or 0 for r in records], dtype=np.float64)
+    return dense, ids, offsets, labels, times
+
+
+def _dense(value, transform: str) -> float:
+    value = 0.0 if value is None else float(value)
+    return float(np.log1p(value)) if transform == "log1p" else value
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Run one function on N local ranks, joined with gloo as torchrun joins them, and collect what each
+returns. ``run_ranks("streamtrain.bench.pipeline:rank_main", {...})`` -> one dict per rank."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from streamtrain.bench.common import local_rank_env
+from streamtrain.config import PACKAGE_ROOT
+
+
+def run_ranks(target: str, kwargs: dict, world_size: int = 2, timeout: float = 600.0) -> list[dict]:
+    from streamtrain.devkafka import free_port
+
+    with tempfile.TemporaryDirectory(prefix="streamtrain-ranks-") as folder:
+        port = free_port()
+        processes = []
+        for rank in range(world_size):
+            log = open(Path(folder) / f"rank-{rank}.log", "wb")
+            processes.append((log, subprocess.Popen(
+                [sys.executable, "-m", "streamtrain.bench.ranks", target, json.dumps(kwargs),
+                 str(Path(folder) / f"rank-{rank}.json")],
+                cwd=PACKAGE_ROOT, env={**os.environ, **local_rank_env(rank, world_size, port)},
+                stdout=log, stderr=subprocess.STDOUT)))
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.poll() is None for _log, p in processes):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{target} did not finish within {timeout:.0f}s")
+                if any(p.poll() not in (None, 0) for _log, p in processes):
+                    time.sleep(2.0)  # let the peers fail too, then report
+                    break
+                time.sleep(0.2)
+        finally:
+            for log, process in processes:
+                if process.poll() is None:
+                    process.kill()
+                    process.wait(10)
+                log.close()
+        failed = [rank for rank, (_log, p) in enumerate(processes) if p.returncode != 0]
+        if failed:
+            text = (Path(folder) / f"rank-{failed[0]}.log").read_text(errors="replace")
+            raise RuntimeError(f"{target}: rank {failed[0]} exited with {processes[failed[0]][1].returncode}:\n"
+                               f"{text[-4000:]}")
+        return [json.loads((Path(folder) / f"rank-{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def _main() -> None:
+    import logging
+    import warnings
+
+    logging.basicConfig(level=logging.WARNING)
+    warnings.filterwarnings("ignore")
+    target, kwargs, out = sys.argv[1], json.loads(sys.argv[2]), Path(sys.argv[3])
+    module, function = target.split(":")
+    result = getattr(importlib.import_module(module), function)(**kwargs)
+    out.write_text(json.dumps(result))
+    # Leave together, and skip the interpreter's teardown: gloo's threads being destroyed at exit
+    # can abort the process ("terminate called without an active exception") after its work is done.
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _main()

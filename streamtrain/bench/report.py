@@ -1,0 +1,192 @@
+"""``streamtrain bench report``: the newest result of each benchmark as one markdown table per
+benchmark and PNG plots (throughput bars with ratios, RSS over time, freshness CDF)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+from pathlib import Path
+
+from streamtrain.bench import BENCHMARKS, module
+from streamtrain.bench.common import RESULTS, describe_machine, latest
+from streamtrain.config import PACKAGE_ROOT
+
+START, END = "<!-- bench-report:start -->", "<!-- bench-report:end -->"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--results", type=Path, default=RESULTS, help="where the JSON results are (default results/)")
+    parser.add_argument("--out", type=Path, default=PACKAGE_ROOT / "docs" / "bench",
+                        help="where report.md and the PNGs go (default docs/bench/)")
+    parser.add_argument("--readme", type=Path, default=None,
+                        help=f"also replace the text between {START} and {END} in this file (e.g. README.md)")
+
+
+def fmt(rate: float) -> str:
+    return f"{rate:,.0f} events/s"
+
+
+def markdown(name: str, result: dict) -> str:
+    bench = module(name)
+    if hasattr(bench, "markdown"):
+        return bench.markdown(result)
+    rows = []
+    if name == "e2e":
+        legs = result["legs"]
+        rows = ["| leg | events/s | ratio |", "|---|---|---|"]
+        if "naive" in legs:
+            rows.append(f"| naive consume-decode-train loop | {fmt(legs['naive']['events_per_second'])} | 1.00 |")
+        rows.append(f"| `streamtrain worker --nproc 2 --until-end` | {fmt(legs['worker']['events_per_second'])} | "
+                    f"**{result['worker_over_naive'] or 0:.2f}** x naive (goal ≥ 2) |")
+        if "limit" in legs:
+            rows.append(f"| limit: in-memory batches, no Kafka, no decoding | {fmt(legs['limit']['events_per_second'])}"
+                        f" | worker / limit = **{result['worker_over_limit']:.2f}** (goal ≥ 0.9) |")
+        rows.insert(0, f"{result['events']:,} events, {result['partitions']} partitions, {result['ranks']} ranks, "
+                       f"first {result['warm_up_seconds']:g} s of each leg excluded.\n")
+        if legs["worker"].get("data_wait_share") is not None:
+            rows.append(f"\nThe worker's trainer waited for data (and the ranks' vote) "
+                        f"{100 * legs['worker']['data_wait_share']:.0f}% of its step time after the warm-up.")
+    elif name == "pipeline":
+        legs = result["legs"]
+        rows = [f"{result['ranks']} ranks, {result['rounds']} rounds of {result['steps_per_leg']} steps each.\n",
+                "| pipeline | events/s | ratio |", "|---|---|---|",
+                f"| TrainPipelineBase | {fmt(legs['base']['events_per_second'])} | 1.00 |",
+                f"| TrainPipelineSparseDist | {fmt(legs['sparse_dist']['events_per_second'])} | "
+                f"**{result['ratio']:.2f}** |"]
+    elif name == "checkpoint":
+        rows = ["| snapshot interval | without | with async snapshots | ratio |", "|---|---|---|---|",
+                f"| {result['interval_seconds']:g} s | {fmt(result['baseline_events_per_second'])} | "
+                f"{fmt(result['async_snapshot_events_per_second'])} | **{result['ratio']:.2f}** |"]
+    elif name == "train-step":
+        rows = ["| size | per-feature EmbeddingBag | fused TBE | ratio |", "|---|---|---|---|"]
+        rows += [f"| {r['size']} | {fmt(r['per_feature_events_per_second'])} | {fmt(r['fused_events_per_second'])} "
+                 f"| **{r['ratio']:.2f}** |" for r in result["sizes"]]
+    elif name == "memory":
+        rows = ["| backlog | RSS after warm-up | peak after warm-up | growth |", "|---|---|---|---|",
+                f"| {result['backlog_events']:,} events | {result['rss_after_warm_up_bytes'] / 2**20:,.0f} MiB | "
+                f"{result['rss_peak_after_warm_up_bytes'] / 2**20:,.0f} MiB | "
+                f"**{100 * result['growth_after_warm_up']:.1f}%** (goal < 10%) |"]
+    elif name == "freshness":
+        rows = [f"Max throughput measured first: {fmt(result['max_events_per_second'])}; "
+                f"{result['seconds']:g} s of producing per load, the first {result['warm_up_seconds']:g} s excluded.\n",
+                "| load | produced | trained | p50 | p99 | max |", "|---|---|---|---|---|---|"]
+        for load in result["loads"]:
+            f = load["freshness"]
+            goal = " (goal ≤ 2 s)" if load["load"] == 0.5 else ""
+            rows.append(f"| {load['load']:.0%} | {fmt(load['produced_events_per_second'])} | "
+                        f"{fmt(load['trained_events_per_second_after_warm_up'])} | {f['p50']:.2f} s | "
+                        f"**{f['p99']:.2f} s**{goal} | {f['max']:.2f} s |")
+    else:
+        rows = ["```", bench.table(result), "```"]
+    return "\n".join(rows)
+
+
+def plots(results: dict[str, dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    bars = []  # (group, [(label, rate)], ratio text)
+    if "e2e" in results:
+        legs = results["e2e"]["legs"]
+        bars.append(("e2e, 2 ranks", [(n, legs[n]["events_per_second"]) for n in ("naive", "worker", "limit")
+                                      if n in legs]))
+    if "pipeline" in results:
+        legs = results["pipeline"]["legs"]
+        bars.append(("pipeline, 2 ranks", [("Base", legs["base"]["events_per_second"]),
+                                           ("SparseDist", legs["sparse_dist"]["events_per_second"])]))
+    if "checkpoint" in results:
+        r = results["checkpoint"]
+        bars.append((f"checkpoint every {r['interval_seconds']:g}s",
+                     [("none", r["baseline_events_per_second"]), ("async", r["async_snapshot_events_per_second"])]))
+    if "train-step" in results:
+        r = max(results["train-step"]["sizes"], key=lambda s: s["batch"] * s["features"])
+        bars.append((f"train step B={r['batch']} F={r['features']}", [("EmbeddingBag", r["per_feature_events_per_second"]),
+                                                 ("TBE", r["fused_events_per_second"])]))
+    if bars:
+        fig, axes = plt.subplots(1, len(bars), figsize=(3.4 * len(bars), 3.6), squeeze=False)
+        for ax, (title, items) in zip(axes[0], bars):
+            labels, rates = zip(*items)
+            colors = ["#999999"] + ["#1f77b4"] * (len(items) - 1)
+            drawn = ax.bar(labels, [r / 1000 for r in rates], color=colors)
+            for bar, rate in zip(drawn, rates):
+                ax.annotate(f"{rate / rates[0]:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                            ha="center", va="bottom", fontsize=9)
+            ax.set_title(title, fontsize=10)
+            ax.set_ylabel("thousand events/s")
+            ax.margins(y=0.15)
+        fig.suptitle("Throughput; ratios against the first bar of each group", fontsize=10)
+        written.append(_save(fig, out / "throughput.png"))
+    if "memory" in results:
+        r = results["memory"]
+        t, rss = zip(*r["samples"])
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.plot(t, [b / 2**20 for b in rss])
+        ax.axvline(r["warm_up_seconds"], color="#999999", linestyle="--", label="end of warm-up")
+        ax.set_xlabel("seconds since the worker began training")
+        ax.set_ylabel("RSS (MiB)")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"Worker RSS with {r['backlog_events']:,} events waiting in Kafka "
+                     f"(growth {100 * r['growth_after_warm_up']:.1f}%)", fontsize=10)
+        ax.legend(fontsize=8)
+        written.append(_save(fig, out / "memory_rss.png"))
+    if "freshness" in results:
+        r = results["freshness"]
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        for load in r["loads"]:
+            if load["cdf"]:
+                x, y = zip(*load["cdf"])
+                ax.plot(x, y, label=f"{load['load']:.0%} load ({load['rate']:,.0f} events/s)")
+        ax.axvline(2.0, color="#999999", linestyle="--", label="goal: p99 ≤ 2 s at 50%")
+        ax.axhline(0.99, color="#dddddd", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_xlabel("update applied − event time (s)")
+        ax.set_ylabel("fraction of events")
+        ax.set_title("Freshness CDF, 2 ranks", fontsize=10)
+        ax.legend(fontsize=8)
+        written.append(_save(fig, out / "freshness_cdf.png"))
+    return written
+
+
+def report(results_dir: Path = RESULTS, out: Path | None = None, readme: Path | None = None) -> str:
+    out = out or PACKAGE_ROOT / "docs" / "bench"
+    out.mkdir(parents=True, exist_ok=True)
+    order = ["e2e", "freshness", "pipeline"] + [name for name in BENCHMARKS if name not in ("e2e", "freshness",
+                                                                                          "pipeline")]
+    results = {name: r for name in order if name in BENCHMARKS and (r := latest(name, results_dir)) is not None}
+    if not results:
+        return f"no results under {results_dir}: run `streamtrain bench all` first"
+    first = next(iter(results.values()))
+    sections = [f"Measured on {describe_machine(first['machine'])}; each part names the command that made it, "
+                f"and `streamtrain bench report --readme README.md` rendered them "
+                f"({datetime.date.today().isoformat()}). Ratios are the figures: each is measured side by side "
+                f"in one run.\n"]
+    for name, result in results.items():
+        command = result.get("command", f"streamtrain bench {name}").strip()
+        quick = " — a --quick run: proves it works, judges nothing" if result.get("quick") else ""
+        sections.append(f"**{name}** (`{command}`, {result.get('written', 'undated')}{quick})\n\n"
+                        f"{markdown(name, result)}\n")
+    images = plots(results, out)
+    relative = [os.path.relpath(p, readme.parent) if readme else p.name for p in images]
+    for image in relative:
+        sections.append(f"![{Path(image).stem}]({image})\n")
+    text = "\n".join(sections)
+    (out / "report.md").write_text(text)
+    if readme:
+        body = readme.read_text()
+        if START in body and END in body:
+            head, rest = body.split(START, 1)
+            readme.write_text(f"{head}{START}\n{text}\n{END}{rest.split(END, 1)[1]}")
+    return text + f"\nwritten: {out / 'report.md'}, " + ", ".join(str(p) for p in images)
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
