@@ -31,7 +31,6 @@ from __future__ import annotations
 import io
 import logging
 import math
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,8 +126,8 @@ class AvroBatchDecoder:
     def __init__(self, features: FeaturesConfig, schema_source: Any = None):
         self.features = features
         self.schema_source = schema_source
-        self.confluent = getattr(features, "wire_format", "raw") == "confluent"
-        self.clip = getattr(features, "non_finite_dense", "dead_letter") == "clip"
+        self.confluent = features.wire_format == "confluent"
+        self.clip = features.non_finite_dense == "clip"
         self.reader = load_schema(features.resolved_schema_path())
         self.plan = feature_plan(features, self.reader)
         self.fallback = FastavroDecoder(features, schema_source)
@@ -271,8 +270,8 @@ class FastavroDecoder:
     def __init__(self, features: FeaturesConfig, schema_source: Any = None):
         self.features = features
         self.schema_source = schema_source
-        self.confluent = getattr(features, "wire_format", "raw") == "confluent"
-        self.clip = getattr(features, "non_finite_dense", "dead_letter") == "clip"
+        self.confluent = features.wire_format == "confluent"
+        self.clip = features.non_finite_dense == "clip"
         reader = load_schema(features.resolved_schema_path())
         self.reader = fastavro.parse_schema(_strings_as_bytes(without_logical_types(reader)))
         self.keys = [t.name for t in features.tables]
@@ -405,7 +404,10 @@ def _result(events: list[RawEvent], keys: list[str], status: np.ndarray, lengths
 
 
 def _spans(events: list[RawEvent], kept: np.ndarray) -> dict[int, PartitionSpan]:
-    """``spans_of`` from arrays: one Python step per partition, not per event."""
+    """Per partition: the events kept for training, and the offset after the last one consumed.
+
+    Rejected events move the position too: they were consumed, and went to the dead-letter path.
+    One Python step per partition, not per event."""
     if not events:
         return {}
     partitions = np.fromiter((e.partition for e in events), dtype=np.int64, count=len(events))
@@ -415,18 +417,6 @@ def _spans(events: list[RawEvent], kept: np.ndarray) -> dict[int, PartitionSpan]
         mine = partitions == p
         spans[p] = PartitionSpan(int((mine & kept).sum()), int(offsets[mine].max()) + 1)
     return spans
-
-
-def spans_of(consumed: list[RawEvent], trained: list[RawEvent]) -> dict[int, PartitionSpan]:
-    """Per partition: the events trained, and the offset after the last one consumed.
-
-    Rejected events move the position too: they were consumed, and go to the dead-letter path.
-    """
-    counts = Counter(event.partition for event in trained)
-    next_offsets: dict[int, int] = {}
-    for event in consumed:
-        next_offsets[event.partition] = max(next_offsets.get(event.partition, 0), event.offset + 1)
-    return {p: PartitionSpan(counts[p], offset) for p, offset in next_offsets.items()}
 
 
 def _get(record: Any, path: tuple[str, ...]) -> Any:
