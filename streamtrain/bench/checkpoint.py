@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from streamtrain.bench.common import Leg, describe_machine, machine, synthetic_batches, train_for
+from streamtrain.bench.common import (Leg, describe_machine, machine, rate_text, synthetic_batches,
+                                      train_for)
 
 if TYPE_CHECKING:
     from streamtrain.config import WorkerConfig
@@ -96,3 +97,10 @@ def table(result: dict) -> str:
         f"{result['snapshot_seconds_mean']:.2f}s from start to commit on average",
     ]
     return "\n".join(lines)
+
+
+def markdown(result: dict) -> str:
+    return "\n".join([
+        "| snapshot interval | without | with async snapshots | ratio |", "|---|---|---|---|",
+        f"| {result['interval_seconds']:g} s | {rate_text(result['baseline_events_per_second'])} | "
+        f"{rate_text(result['async_snapshot_events_per_second'])} | **{result['ratio']:.2f}** |"])

@@ -41,6 +41,10 @@ def describe_machine(m: dict) -> str:
             f"fbgemm_gpu {m['fbgemm_gpu']}")
 
 
+def rate_text(events_per_second: float) -> str:
+    return f"{events_per_second:,.0f} events/s"
+
+
 def save(result: dict) -> Path:
     RESULTS.mkdir(exist_ok=True)
     result = {**result, "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -167,7 +171,11 @@ class RunRecord:
     step_wall: np.ndarray  # [steps] time.time() when the step's update was applied
     step_events: np.ndarray  # [steps] events trained by that rank in that step
     freshness: np.ndarray  # [events] seconds from event_time to the update, in training order
+    fresh_wall: np.ndarray  # [events] the step_wall of each freshness value
     ranks: int
+    # the worker's step durations and data waits, in step order (the naive loop records none)
+    step_seconds: np.ndarray | None = None
+    step_wait: np.ndarray | None = None
 
     @classmethod
     def load(cls, folder: Path) -> "RunRecord":
@@ -181,18 +189,15 @@ class RunRecord:
         fresh = np.concatenate([p["freshness"] for p in parts])
         order = np.argsort(wall, kind="stable")
         fresh_order = np.argsort(fresh_wall, kind="stable")
-        record = cls(wall[order], events[order], fresh[fresh_order], len(parts))
-        record.fresh_wall = fresh_wall[fresh_order]
-        # the worker's step durations and data waits (the naive loop records none)
-        if all("step_seconds" in p for p in parts):
-            record.step_seconds = np.concatenate([p["step_seconds"] for p in parts])[order]
-            record.step_wait = np.concatenate([p["step_wait"] for p in parts])[order]
-        return record
+        timed = all("step_seconds" in p for p in parts)
+        return cls(wall[order], events[order], fresh[fresh_order], fresh_wall[fresh_order], len(parts),
+                   np.concatenate([p["step_seconds"] for p in parts])[order] if timed else None,
+                   np.concatenate([p["step_wait"] for p in parts])[order] if timed else None)
 
     def data_wait_share(self, warm_up_seconds: float) -> float | None:
         """Of the trainer's step time after the warm-up, the share spent waiting for the next batch
         and the ranks' vote: near 0, training is the limit; large, the data path is."""
-        if not hasattr(self, "step_seconds"):
+        if self.step_seconds is None:
             return None
         trained = self.step_events > 0
         after = self.step_wall >= self.step_wall[trained][0] + warm_up_seconds if trained.any() else trained

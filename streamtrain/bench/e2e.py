@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from streamtrain.bench.common import (RESULTS, SCHEMA, RunRecord, describe_machine, local_rank_env, machine,
-                                      throughput)
+                                      rate_text, throughput)
 from streamtrain.config import PACKAGE_ROOT
 
 WORLD_SIZE = 2
@@ -258,8 +258,9 @@ _CATEGORIES = (
 def profile_summary(paths: list[Path]) -> dict:
     """Shares of py-spy's samples by category, over every process and thread sampled that had a
     Python frame; samples of threads without one (native threads py-spy cannot attribute) are
-    counted apart."""
+    counted apart. Also the innermost two frames that hold the most samples: [share, 'caller;callee']."""
     counts: dict[str, int] = {}
+    frames: dict[str, int] = {}
     total = frameless = 0
     for path in paths:
         if not path.exists():
@@ -273,24 +274,13 @@ def profile_summary(paths: list[Path]) -> dict:
                 continue
             category = next((name for name, marks in _CATEGORIES if any(m in stack for m in marks)), "other")
             counts[category] = counts.get(category, 0) + int(n)
+            innermost = ";".join(stack.split(";")[-2:])
+            frames[innermost] = frames.get(innermost, 0) + int(n)
             total += int(n)
+    top = sorted(frames.items(), key=lambda kv: -kv[1])[:12]
     return {"samples": total, "samples_without_python_frame": frameless, "files": [str(p) for p in paths],
-            "top": _top_frames(paths),
+            "top": [[v / (total or 1), k] for k, v in top],
             "shares": {k: v / total for k, v in sorted(counts.items(), key=lambda kv: -kv[1])} if total else {}}
-
-
-def _top_frames(paths: list[Path], count: int = 12) -> list[list]:
-    """The innermost two frames that hold the most samples: [share, 'caller;callee']."""
-    counts: dict[str, int] = {}
-    for path in paths:
-        if path.exists():
-            for line in path.read_text(errors="replace").splitlines():
-                stack, _, n = line.rpartition(" ")
-                if n.isdigit() and stack:
-                    key = ";".join(stack.split(";")[-2:])
-                    counts[key] = counts.get(key, 0) + int(n)
-    total = sum(counts.values()) or 1
-    return [[v / total, k] for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:count]]
 
 
 def table(result: dict) -> str:
@@ -321,3 +311,22 @@ def table(result: dict) -> str:
                          f"both ranks): " + ", ".join(
                 f"{k} {100 * v:.0f}%" for k, v in profile["shares"].items()))
     return "\n".join(lines)
+
+
+def markdown(result: dict) -> str:
+    legs = result["legs"]
+    rows = [f"{result['events']:,} events, {result['partitions']} partitions, {result['ranks']} ranks, "
+            f"first {result['warm_up_seconds']:g} s of each leg excluded.\n",
+            "| leg | events/s | ratio |", "|---|---|---|"]
+    if "naive" in legs:
+        rows.append(f"| naive consume-decode-train loop | {rate_text(legs['naive']['events_per_second'])} | 1.00 |")
+    rows.append(f"| `streamtrain worker --nproc 2 --until-end` | {rate_text(legs['worker']['events_per_second'])} | "
+                f"**{result['worker_over_naive'] or 0:.2f}** x naive (goal ≥ 2) |")
+    if "limit" in legs:
+        rows.append(f"| limit: in-memory batches, no Kafka, no decoding | "
+                    f"{rate_text(legs['limit']['events_per_second'])} | "
+                    f"worker / limit = **{result['worker_over_limit']:.2f}** (goal ≥ 0.9) |")
+    if legs["worker"].get("data_wait_share") is not None:
+        rows.append(f"\nThe worker's trainer waited for data (and the ranks' vote) "
+                    f"{100 * legs['worker']['data_wait_share']:.0f}% of its step time after the warm-up.")
+    return "\n".join(rows)

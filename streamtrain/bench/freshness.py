@@ -2,8 +2,8 @@
 
 First the worker's max throughput is measured in this run: a backlog of --max-events events in a
 local Kafka, trained by ``streamtrain worker --nproc 2 --until-end`` (warm-up excluded). Then, for
-each load, a fresh topic, a worker on it (2 ranks), and ``streamtrain produce --rate R`` writing
---seconds of events at R = load x max, each stamped with its send time as event_time. Freshness is
+each load, a fresh topic, a worker on it (2 ranks), and a paced sender writing --seconds of events
+at R = load x max, each stamped with its send time as event_time. Freshness is
 (update applied - event_time) of every event trained after the first --warm-up seconds of
 producing, from the worker's run record (the same figure as its streamtrain_freshness_seconds
 histogram, per event). Goal: p99 <= 2 s at 50% load.
@@ -29,8 +29,8 @@ from typing import Callable
 
 import numpy as np
 
-from streamtrain.bench.common import (SCHEMA, RunRecord, cdf_points, cpu_seconds, describe_machine, free_port_pair,
-                                      machine, quantiles, wait_until_ready)
+from streamtrain.bench.common import (SCHEMA, RunRecord, cdf_points, cpu_seconds, describe_machine,
+                                      free_port_pair, machine, quantiles, rate_text, wait_until_ready)
 from streamtrain.bench.e2e import WORLD_SIZE, _children, worker_environment, worker_leg
 from streamtrain.config import PACKAGE_ROOT
 
@@ -203,3 +203,16 @@ def table(result: dict) -> str:
     if half:
         lines.append(f"  p99 at 50% load: {half['freshness']['p99']:.3f}s   (goal <= 2 s)")
     return "\n".join(lines)
+
+
+def markdown(result: dict) -> str:
+    rows = [f"Max throughput measured first: {rate_text(result['max_events_per_second'])}; "
+            f"{result['seconds']:g} s of producing per load, the first {result['warm_up_seconds']:g} s excluded.\n",
+            "| load | produced | trained | p50 | p99 | max |", "|---|---|---|---|---|---|"]
+    for load in result["loads"]:
+        f = load["freshness"]
+        goal = " (goal ≤ 2 s)" if load["load"] == 0.5 else ""
+        rows.append(f"| {load['load']:.0%} | {rate_text(load['produced_events_per_second'])} | "
+                    f"{rate_text(load['trained_events_per_second_after_warm_up'])} | {f['p50']:.2f} s | "
+                    f"**{f['p99']:.2f} s**{goal} | {f['max']:.2f} s |")
+    return "\n".join(rows)

@@ -78,3 +78,11 @@ def table(result: dict) -> str:
         f"  {result['worker_summary'].split('INFO ')[-1]}",
     ]
     return "\n".join(lines)
+
+
+def markdown(result: dict) -> str:
+    return "\n".join([
+        "| backlog | RSS after warm-up | peak after warm-up | growth |", "|---|---|---|---|",
+        f"| {result['backlog_events']:,} events | {result['rss_after_warm_up_bytes'] / 2**20:,.0f} MiB | "
+        f"{result['rss_peak_after_warm_up_bytes'] / 2**20:,.0f} MiB | "
+        f"**{100 * result['growth_after_warm_up']:.1f}%** (goal < 10%) |"])

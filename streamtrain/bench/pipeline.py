@@ -12,7 +12,7 @@ import argparse
 import time
 from typing import Callable
 
-from streamtrain.bench.common import describe_machine, machine
+from streamtrain.bench.common import describe_machine, machine, rate_text
 
 WORLD_SIZE = 2
 
@@ -79,3 +79,13 @@ def table(result: dict) -> str:
         f"  TrainPipelineSparseDist  {legs['sparse_dist']['events_per_second']:>12,.0f} events/s",
         f"  ratio                    {result['ratio']:>12.2f}",
     ])
+
+
+def markdown(result: dict) -> str:
+    legs = result["legs"]
+    return "\n".join([
+        f"{result['ranks']} ranks, {result['rounds']} rounds of {result['steps_per_leg']} steps each.\n",
+        "| pipeline | events/s | ratio |", "|---|---|---|",
+        f"| TrainPipelineBase | {rate_text(legs['base']['events_per_second'])} | 1.00 |",
+        f"| TrainPipelineSparseDist | {rate_text(legs['sparse_dist']['events_per_second'])} | "
+        f"**{result['ratio']:.2f}** |"])

@@ -23,63 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"also replace the text between {START} and {END} in this file (e.g. README.md)")
 
 
-def fmt(rate: float) -> str:
-    return f"{rate:,.0f} events/s"
-
-
 def markdown(name: str, result: dict) -> str:
     bench = module(name)
     if hasattr(bench, "markdown"):
         return bench.markdown(result)
-    rows = []
-    if name == "e2e":
-        legs = result["legs"]
-        rows = ["| leg | events/s | ratio |", "|---|---|---|"]
-        if "naive" in legs:
-            rows.append(f"| naive consume-decode-train loop | {fmt(legs['naive']['events_per_second'])} | 1.00 |")
-        rows.append(f"| `streamtrain worker --nproc 2 --until-end` | {fmt(legs['worker']['events_per_second'])} | "
-                    f"**{result['worker_over_naive'] or 0:.2f}** x naive (goal ≥ 2) |")
-        if "limit" in legs:
-            rows.append(f"| limit: in-memory batches, no Kafka, no decoding | {fmt(legs['limit']['events_per_second'])}"
-                        f" | worker / limit = **{result['worker_over_limit']:.2f}** (goal ≥ 0.9) |")
-        rows.insert(0, f"{result['events']:,} events, {result['partitions']} partitions, {result['ranks']} ranks, "
-                       f"first {result['warm_up_seconds']:g} s of each leg excluded.\n")
-        if legs["worker"].get("data_wait_share") is not None:
-            rows.append(f"\nThe worker's trainer waited for data (and the ranks' vote) "
-                        f"{100 * legs['worker']['data_wait_share']:.0f}% of its step time after the warm-up.")
-    elif name == "pipeline":
-        legs = result["legs"]
-        rows = [f"{result['ranks']} ranks, {result['rounds']} rounds of {result['steps_per_leg']} steps each.\n",
-                "| pipeline | events/s | ratio |", "|---|---|---|",
-                f"| TrainPipelineBase | {fmt(legs['base']['events_per_second'])} | 1.00 |",
-                f"| TrainPipelineSparseDist | {fmt(legs['sparse_dist']['events_per_second'])} | "
-                f"**{result['ratio']:.2f}** |"]
-    elif name == "checkpoint":
-        rows = ["| snapshot interval | without | with async snapshots | ratio |", "|---|---|---|---|",
-                f"| {result['interval_seconds']:g} s | {fmt(result['baseline_events_per_second'])} | "
-                f"{fmt(result['async_snapshot_events_per_second'])} | **{result['ratio']:.2f}** |"]
-    elif name == "train-step":
-        rows = ["| size | per-feature EmbeddingBag | fused TBE | ratio |", "|---|---|---|---|"]
-        rows += [f"| {r['size']} | {fmt(r['per_feature_events_per_second'])} | {fmt(r['fused_events_per_second'])} "
-                 f"| **{r['ratio']:.2f}** |" for r in result["sizes"]]
-    elif name == "memory":
-        rows = ["| backlog | RSS after warm-up | peak after warm-up | growth |", "|---|---|---|---|",
-                f"| {result['backlog_events']:,} events | {result['rss_after_warm_up_bytes'] / 2**20:,.0f} MiB | "
-                f"{result['rss_peak_after_warm_up_bytes'] / 2**20:,.0f} MiB | "
-                f"**{100 * result['growth_after_warm_up']:.1f}%** (goal < 10%) |"]
-    elif name == "freshness":
-        rows = [f"Max throughput measured first: {fmt(result['max_events_per_second'])}; "
-                f"{result['seconds']:g} s of producing per load, the first {result['warm_up_seconds']:g} s excluded.\n",
-                "| load | produced | trained | p50 | p99 | max |", "|---|---|---|---|---|---|"]
-        for load in result["loads"]:
-            f = load["freshness"]
-            goal = " (goal ≤ 2 s)" if load["load"] == 0.5 else ""
-            rows.append(f"| {load['load']:.0%} | {fmt(load['produced_events_per_second'])} | "
-                        f"{fmt(load['trained_events_per_second_after_warm_up'])} | {f['p50']:.2f} s | "
-                        f"**{f['p99']:.2f} s**{goal} | {f['max']:.2f} s |")
-    else:
-        rows = ["```", bench.table(result), "```"]
-    return "\n".join(rows)
+    return "\n".join(["```", bench.table(result), "```"])
 
 
 def plots(results: dict[str, dict], out: Path) -> list[Path]:

@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from streamtrain.bench.common import describe_machine, machine
+from streamtrain.bench.common import describe_machine, machine, rate_text
 from streamtrain.train import init_distributed
 
 
@@ -151,3 +151,10 @@ def table(result: dict) -> str:
         lines.append(f"  {row['size']:<36} {row['per_feature_events_per_second']:>12,.0f}/s "
                      f"{row['fused_events_per_second']:>12,.0f}/s {row['ratio']:>7.2f}")
     return "\n".join(lines)
+
+
+def markdown(result: dict) -> str:
+    rows = ["| size | per-feature EmbeddingBag | fused TBE | ratio |", "|---|---|---|---|"]
+    rows += [f"| {r['size']} | {rate_text(r['per_feature_events_per_second'])} | "
+             f"{rate_text(r['fused_events_per_second'])} | **{r['ratio']:.2f}** |" for r in result["sizes"]]
+    return "\n".join(rows)
