@@ -320,8 +320,10 @@ def markdown(result: dict) -> str:
             "| leg | events/s | ratio |", "|---|---|---|"]
     if "naive" in legs:
         rows.append(f"| naive consume-decode-train loop | {rate_text(legs['naive']['events_per_second'])} | 1.00 |")
+    versus_naive = (f"**{result['worker_over_naive']:.2f}** x naive (goal ≥ 2)" if result["worker_over_naive"]
+                    else "(no naive leg in this run)")
     rows.append(f"| `streamtrain worker --nproc 2 --until-end` | {rate_text(legs['worker']['events_per_second'])} | "
-                f"**{result['worker_over_naive'] or 0:.2f}** x naive (goal ≥ 2) |")
+                f"{versus_naive} |")
     if "limit" in legs:
         rows.append(f"| limit: in-memory batches, no Kafka, no decoding | "
                     f"{rate_text(legs['limit']['events_per_second'])} | "
