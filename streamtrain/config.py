@@ -100,6 +100,9 @@ class SchemaRegistryConfig(_ClientProperties):
     # The registry client takes typed values (max.retries: 3, timeout: 10), unlike librdkafka.
     client_config: dict[str, str | int | float | bool] = {}
 
+    # How long an unreachable registry is retried before the worker stops with an error.
+    timeout_seconds: float = Field(default=60.0, gt=0)
+
     @field_validator("url")
     @classmethod
     def _no_credentials_in_url(cls, value: str) -> str:
@@ -107,8 +110,6 @@ class SchemaRegistryConfig(_ClientProperties):
             raise ValueError("credentials in the URL would reach logs: put user:password in a file and name it "
                              "under client_config_files as basic.auth.user.info")
         return value
-    # How long an unreachable registry is retried before the worker stops with an error.
-    timeout_seconds: float = Field(default=60.0, gt=0)
 
 
 class FeaturesConfig(_Strict):

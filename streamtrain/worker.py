@@ -19,8 +19,8 @@ from streamtrain.checkpoint import Checkpointer, StreamState
 from streamtrain.config import WorkerConfig
 from streamtrain.deadletter import from_config as dead_letter_stage
 from streamtrain.decode import AvroBatchDecoder
-from streamtrain.registry import schema_source
 from streamtrain.metrics import Health, WorkerMetrics
+from streamtrain.registry import schema_source
 from streamtrain.source import KafkaSource
 from streamtrain.train import StepResult, Trainer, describe_plan, init_distributed, write_plan_json
 
