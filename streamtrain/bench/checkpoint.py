@@ -85,7 +85,6 @@ def bench_checkpoint(config: "WorkerConfig", seconds: float, rounds: int, interv
     }
 
 
-
 def table(result: dict) -> str:
     lines = [f"{result['benchmark']} benchmark on {describe_machine(result['machine'])}"]
     lines += [

@@ -66,7 +66,6 @@ def bench_memory(config_path: Path, seconds: float, backlog_events: int, progres
             "samples": samples, "worker_summary": trained[-1] if trained else log_text[-2000:]}
 
 
-
 def table(result: dict) -> str:
     lines = [f"{result['benchmark']} benchmark on {describe_machine(result['machine'])}"]
     lines += [

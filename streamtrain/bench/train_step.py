@@ -143,7 +143,6 @@ def bench_train_step(sizes: list[StepSize], seconds: float, progress: Callable[[
     return {"benchmark": "train-step", "machine": machine(), "leg_seconds": seconds / 2, "sizes": rows}
 
 
-
 def table(result: dict) -> str:
     lines = [f"{result['benchmark']} benchmark on {describe_machine(result['machine'])}"]
     lines.append(f"  {'size':<36} {'per-feature':>14} {'fused (TBE)':>14} {'ratio':>7}")
