@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -149,11 +150,13 @@ def test_exactly_once_across_random_sigkills(kafka, topic_name, start_ranks, tmp
            "STREAMTRAIN_DISTRIBUTED__TIMEOUT_SECONDS": "10"}
     trials_wanted = int(os.environ.get("STREAMTRAIN_TEST_KILL_TRIALS", "5"))  # more in a long, on-demand run
     produce(kafka.bootstrap_servers, topic_name, 200, partitions=PARTITIONS, seed=40, schema_path=SCHEMA)
-    live_events = 5000 * trials_wanted
-    producer = subprocess.Popen(  # a live stream at 2,000 events/s while ranks are killed
+    # A live stream at 2,000 events/s for as long as the ranks are being killed, then stopped: a
+    # stream sized by count could run dry before the last trial, and a restart with nothing left
+    # to replay never trains. The count only bounds it.
+    producer = subprocess.Popen(
         [sys.executable, "-m", "streamtrain", "produce", "--bootstrap-servers", kafka.bootstrap_servers,
-         "--topic", topic_name, "--count", str(live_events), "--rate", "2000", "--seed", "41"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+         "--topic", topic_name, "--count", str(2000 * 60 * trials_wanted), "--rate", "2000", "--seed", "41"],
+        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     rng = random.Random(1234)
     trials = []
     try:
@@ -172,7 +175,10 @@ def test_exactly_once_across_random_sigkills(kafka, topic_name, start_ranks, tmp
             trials.append(victim)
             print(f"kill trial {trial + 1}: SIGKILL to {victim} at step {steps_at_kill}")
     finally:
-        assert producer.wait(timeout=120 + live_events / 2000) == 0, producer.stderr.read().decode()
+        producer.terminate()
+        _out, producer_log = producer.communicate(timeout=120)
+    assert producer.returncode == 0, producer_log
+    live_events = int(re.search(r"produced ([\d,]+) events to", producer_log)[1].replace(",", ""))
     produced = end_offsets(kafka, topic_name)
     assert sum(produced.values()) == 200 + live_events
 
