@@ -135,3 +135,51 @@ def test_decode_benchmark_runs_both_decoders_and_reports_a_ratio():
     assert saved["baseline_events_per_second"] > 0 and saved["compiled_events_per_second"] > 0
     assert saved["ratio"] == saved["compiled_events_per_second"] / saved["baseline_events_per_second"]
     assert saved["first_call_seconds"] > 0
+
+
+def _naive_gradients_rank(rank: int, port: int, out: str) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from streamtrain.bench.naive import NaiveDLRM, average_sparse_gradients, to_tensors
+    from streamtrain.config import load_config
+    from streamtrain.produce import ClickStream
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    config = load_config(SMALL_CONFIG)
+    batches = [ClickStream(seed=3).chunk(64).records[:5], []]  # rank 1 trains an empty batch
+
+    def trained(records: list) -> NaiveDLRM:
+        torch.manual_seed(0)
+        model = NaiveDLRM(config.features, config.model)
+        model(*to_tensors(records, config.features)[:3]).sum().backward()
+        return model
+
+    def dense_gradients(model: NaiveDLRM) -> list[torch.Tensor]:
+        return [table.weight.grad.to_dense() for table in model.tables]
+
+    model = trained(batches[rank])
+    average_sparse_gradients(model.tables, 2)
+    expected = [(a + b) / 2 for a, b in zip(dense_gradients(trained(batches[0])), dense_gradients(trained(batches[1])))]
+    torch.save({"averaged": dense_gradients(model), "expected": expected},
+               f"{out}/rank-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_naive_loop_averages_the_tables_sparse_gradients_over_ranks(tmp_path):
+    """The baseline's own all-gather gives every rank the mean of the ranks' table gradients, as
+    DDP would, also when one rank's batch is empty."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from streamtrain.devkafka import free_port
+
+    mp.spawn(_naive_gradients_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        result = torch.load(tmp_path / f"rank-{rank}.pt")
+        assert any(g.any() for g in result["averaged"])
+        for averaged, expected in zip(result["averaged"], result["expected"]):
+            assert torch.allclose(averaged, expected)

@@ -150,7 +150,8 @@ def naive_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout:
                     rank.wait(10)
             _stop(samplers)
         if any(rank.returncode for rank in ranks):
-            raise RuntimeError("the naive baseline failed:\n" + "\n".join(o[-3000:] for o in outputs))
+            codes = ", ".join(f"rank {r} exited with {rank.returncode}" for r, rank in enumerate(ranks))
+            raise RuntimeError(f"the naive baseline failed ({codes}):\n" + "\n".join(o[-3000:] for o in outputs))
         result = RunRecord.load(record).window(warm_up)
     return {**result, "process_seconds": time.time() - started,
             "log": [line for o in outputs for line in o.splitlines() if "stopped after" in line],
