@@ -11,7 +11,8 @@ Adding a benchmark: write ``streamtrain/bench/<name>.py`` with
 - ``run(args, progress) -> dict``: runs it, returns the JSON-able result, with
   ``"benchmark": NAME`` and ``"machine": common.machine()``; ``--quick`` must finish in under a
   minute and prove only that it works;
-- ``table(result) -> str``: the text table printed after the run;
+- ``table(result) -> str``: the text table printed after the run, below a line naming the
+  benchmark and the machine;
 - optionally ``markdown(result) -> str`` and ``plot(result, directory) -> list[Path]`` for
   ``bench report``;
 
@@ -88,13 +89,13 @@ def parser_for(name: str) -> argparse.ArgumentParser:
 
 
 def run_one(name: str, argv: list[str]) -> Path:
-    from streamtrain.bench.common import save
+    from streamtrain.bench.common import describe_machine, save
 
     args = parser_for(name).parse_args(argv)
     bench = module(name)
     result = {**bench.run(args, _progress), "quick": args.quick,
               "command": " ".join(["streamtrain", "bench", name, *argv])}
-    print(bench.table(result), flush=True)
+    print(f"{name} benchmark on {describe_machine(result['machine'])}\n{bench.table(result)}", flush=True)
     path = save(result)
     print(f"results: {path}", flush=True)
     return path

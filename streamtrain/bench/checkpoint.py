@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from streamtrain.bench.common import (Leg, describe_machine, machine, rate_text, synthetic_batches,
-                                      train_for)
+from streamtrain.bench.common import Leg, machine, rate_text, synthetic_batches, train_for
 
 if TYPE_CHECKING:
     from streamtrain.config import WorkerConfig
@@ -86,8 +85,7 @@ def bench_checkpoint(config: "WorkerConfig", seconds: float, rounds: int, interv
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['benchmark']} benchmark on {describe_machine(result['machine'])}"]
-    lines += [
+    lines = [
         f"  without snapshots            {result['baseline_events_per_second']:>12,.0f} events/s",
         f"  async snapshot every {result['interval_seconds']:>4.0f}s  "
         f"{result['async_snapshot_events_per_second']:>12,.0f} events/s",

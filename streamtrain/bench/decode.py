@@ -12,7 +12,7 @@ import argparse
 import time
 from typing import Callable
 
-from streamtrain.bench.common import describe_machine, machine
+from streamtrain.bench.common import machine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,7 +131,6 @@ def bench_decode(config, events: int, batch_size: int, rounds: int, progress: Ca
 
 def table(result: dict) -> str:
     return "\n".join([
-        f"decode benchmark on {describe_machine(result['machine'])}",
         f"  {result['events']:,} events x {result['rounds']} rounds, batches of {result['batch_size']}, "
         f"{result['features']} features, {result['payload_bytes_mean']:.0f} bytes per payload, one core",
         f"  {'':<35}{'events/s per core':>18}{'(wall clock)':>14}",

@@ -28,8 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from streamtrain.bench.common import (RESULTS, SCHEMA, RunRecord, describe_machine, local_rank_env, machine,
-                                      rate_text, throughput)
+from streamtrain.bench.common import RESULTS, SCHEMA, RunRecord, local_rank_env, machine, rate_text, throughput
 from streamtrain.config import PACKAGE_ROOT
 
 WORLD_SIZE = 2
@@ -286,8 +285,7 @@ def profile_summary(paths: list[Path]) -> dict:
 
 def table(result: dict) -> str:
     legs = result["legs"]
-    lines = [f"e2e benchmark on {describe_machine(result['machine'])}",
-             f"  {result['events']:,} events in a {result['partitions']}-partition local Kafka topic, "
+    lines = [f"  {result['events']:,} events in a {result['partitions']}-partition local Kafka topic, "
              f"{result['ranks']} ranks; warm-up (first {result['warm_up_seconds']:g}s after the first trained "
              f"event) excluded",
              f"  {'leg':<44} {'events/s':>12} {'counted':>10} {'seconds':>8}"]

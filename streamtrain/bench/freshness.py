@@ -29,8 +29,8 @@ from typing import Callable
 
 import numpy as np
 
-from streamtrain.bench.common import (SCHEMA, RunRecord, cdf_points, cpu_seconds, describe_machine,
-                                      free_port_pair, machine, quantiles, rate_text, wait_until_ready)
+from streamtrain.bench.common import (SCHEMA, RunRecord, cdf_points, cpu_seconds, free_port_pair, machine,
+                                      quantiles, rate_text, wait_until_ready)
 from streamtrain.bench.e2e import WORLD_SIZE, _children, worker_environment, worker_leg
 from streamtrain.config import PACKAGE_ROOT
 
@@ -187,8 +187,7 @@ def _over_time(at: np.ndarray, fresh: np.ndarray, bucket: float = 1.0) -> list[l
 
 
 def table(result: dict) -> str:
-    lines = [f"freshness benchmark on {describe_machine(result['machine'])}",
-             f"  max throughput measured first: {result['max_events_per_second']:,.0f} events/s "
+    lines = [f"  max throughput measured first: {result['max_events_per_second']:,.0f} events/s "
              f"(worker --until-end, {result['ranks']} ranks); then {result['seconds']:.0f}s of producing per load, "
              f"the first {result['warm_up_seconds']:.0f}s excluded",
              f"  {'load':>5} {'produced/s':>11} {'trained/s':>10} {'p50':>8} {'p99':>8} {'max':>8}   "

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from streamtrain.bench.common import describe_machine, machine, rss_bytes, wait_until_training
+from streamtrain.bench.common import machine, rss_bytes, wait_until_training
 from streamtrain.config import PACKAGE_ROOT
 
 
@@ -67,8 +67,7 @@ def bench_memory(config_path: Path, seconds: float, backlog_events: int, progres
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['benchmark']} benchmark on {describe_machine(result['machine'])}"]
-    lines += [
+    lines = [
         f"  backlog in Kafka: {result['backlog_events']:,} events; worker ran {result['seconds']:.0f}s, "
         f"warm-up ({result['warm_up_seconds']:.0f}s) excluded",
         f"  RSS after warm-up        {result['rss_after_warm_up_bytes'] / 2**20:>8,.0f} MiB",

@@ -12,7 +12,7 @@ import argparse
 import time
 from typing import Callable
 
-from streamtrain.bench.common import describe_machine, machine, rate_text
+from streamtrain.bench.common import machine, rate_text
 
 WORLD_SIZE = 2
 
@@ -72,7 +72,6 @@ def rank_main(config: str, steps: int, rounds: int) -> dict:
 def table(result: dict) -> str:
     legs = result["legs"]
     return "\n".join([
-        f"pipeline benchmark on {describe_machine(result['machine'])}",
         f"  {result['ranks']} ranks, batch {result['batch_size']} per rank, {result['rounds']} round(s) of "
         f"{result['steps_per_leg']} steps per pipeline, warm-up round excluded",
         f"  TrainPipelineBase        {legs['base']['events_per_second']:>12,.0f} events/s",

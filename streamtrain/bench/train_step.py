@@ -12,7 +12,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from streamtrain.bench.common import describe_machine, machine, rate_text
+from streamtrain.bench.common import machine, rate_text
 from streamtrain.train import init_distributed
 
 
@@ -144,8 +144,7 @@ def bench_train_step(sizes: list[StepSize], seconds: float, progress: Callable[[
 
 
 def table(result: dict) -> str:
-    lines = [f"{result['benchmark']} benchmark on {describe_machine(result['machine'])}"]
-    lines.append(f"  {'size':<36} {'per-feature':>14} {'fused (TBE)':>14} {'ratio':>7}")
+    lines = [f"  {'size':<36} {'per-feature':>14} {'fused (TBE)':>14} {'ratio':>7}"]
     for row in result["sizes"]:
         lines.append(f"  {row['size']:<36} {row['per_feature_events_per_second']:>12,.0f}/s "
                      f"{row['fused_events_per_second']:>12,.0f}/s {row['ratio']:>7.2f}")
