@@ -61,6 +61,9 @@ class StreamState:
                    trained={int(p): n for p, n in raw["trained"].items()},
                    event_time_high_water_ms=raw["event_time_high_water_ms"])
 
+    def copy(self) -> "StreamState":
+        return StreamState(self.step, dict(self.next_offsets), dict(self.trained), self.event_time_high_water_ms)
+
     def merged(self, other: "StreamState") -> "StreamState":
         return StreamState(max(self.step, other.step), {**self.next_offsets, **other.next_offsets},
                            {**self.trained, **other.trained},

@@ -47,8 +47,13 @@ def _worker(args: argparse.Namespace) -> int:
         return _launch_local_ranks(args)
     from streamtrain.worker import run_worker
 
+    observers = []
+    if record := os.environ.get("STREAMTRAIN_RUN_RECORD"):  # a benchmark runs this worker, measured by its record
+        from streamtrain.bench.record import RunRecorder
+
+        observers.append(RunRecorder(Path(record), rank=int(os.environ.get("RANK", "0"))))
     return run_worker(config, until_end=args.until_end, max_events=args.max_events,
-                      allow_partial_restore=args.allow_partial_restore)
+                      allow_partial_restore=args.allow_partial_restore, observers=observers)
 
 
 def _launch_local_ranks(args: argparse.Namespace) -> int:

@@ -279,18 +279,78 @@ def _first_message(failures: list[tuple[RawEvent, str, KafkaError]], code: str) 
     return next(error.str() for _e, _r, error in failures if error.name() == code)
 
 
-def from_config(config: DeadLetterConfig, kafka: KafkaConfig, metrics: WorkerMetrics,
-                rank: int) -> tuple[DeadLetterWriter | None, ErrorRateLimit | None]:
-    """The worker's dead-letter writer (None when disabled) and error-rate limit (None at 1.0)."""
-    writer = None
-    if config.enabled:
-        writer = DeadLetterWriter(config, kafka, metrics)
-        if rank == 0:
-            writer.check_topic()
-    elif rank == 0:
-        log.warning("dead_letter.enabled is false: events that cannot be decoded are logged, counted in "
-                    "streamtrain_decode_errors_total and LOST")
-    limit = None
-    if config.max_error_rate < 1.0:
-        limit = ErrorRateLimit(config.max_error_rate, config.window_events, config.pause_seconds)
-    return writer, limit
+class Rejections:
+    """What becomes of the events the decoder rejects, for one rank: counted by partition and
+    reason, written to the dead-letter topic (or logged and lost when ``dead_letter.enabled`` is
+    false), and watched by the error-rate limit, which pauses consumption."""
+
+    def __init__(self, config: DeadLetterConfig, kafka: KafkaConfig, metrics: WorkerMetrics, rank: int):
+        self.topic = kafka.topic
+        self.metrics = metrics
+        self.writer: DeadLetterWriter | None = None
+        if config.enabled:
+            self.writer = DeadLetterWriter(config, kafka, metrics)
+            if rank == 0:
+                self.writer.check_topic()
+        elif rank == 0:
+            log.warning("dead_letter.enabled is false: events that cannot be decoded are logged, counted in "
+                        "streamtrain_decode_errors_total and LOST")
+        self.limit: ErrorRateLimit | None = None
+        if config.max_error_rate < 1.0:
+            self.limit = ErrorRateLimit(config.max_error_rate, config.window_events, config.pause_seconds)
+
+    def handle(self, events_read: int, rejected: list[tuple[RawEvent, str]], stopping: threading.Event) -> bool:
+        """Deals with the ``rejected`` events of a batch of ``events_read``. Returns False only if a
+        stop came while they could not be written: the batch must then not train, since its
+        positions cover them."""
+        reasons: Counter[str] | None = None
+        if rejected:
+            reasons = Counter(reason_code(reason) for _event, reason in rejected)
+            for (partition, code), n in Counter(
+                    (event.partition, reason_code(reason)) for event, reason in rejected).items():
+                self.metrics.events_dropped.labels(self.topic, str(partition), code).inc(n)
+            for code, n in reasons.items():
+                self.metrics.decode_errors.labels(code).inc(n)
+            if self.writer is not None:
+                if not self.writer.write(rejected, stopping):
+                    return False
+            else:
+                event, reason = rejected[0]
+                log.warning("skipping %d events of %s that cannot be decoded (dead_letter.enabled is false: they are "
+                            "lost): %s; the first at partition %d offset %d: %s", len(rejected), self.topic,
+                            _describe(reasons), event.partition, event.offset, reason)
+        if self.limit is not None:
+            self._watch_rate(events_read, reasons)
+        return True
+
+    def _watch_rate(self, events: int, reasons: Counter[str] | None) -> None:
+        limit = self.limit
+        assert limit is not None
+        seen = limit.record(events, reasons)
+        if seen is None:
+            return
+        self.metrics.consumption_pauses.inc()
+        self.metrics.consumption_paused.set(1)
+        rejected, window = sum(seen.values()), limit.tripped_at_events
+        log.error("PAUSING consumption of %s for %.0fs: %d of the last %d events could not be decoded (%.0f%%, over "
+                  "dead_letter.max_error_rate %.0f%%): %s. The topic may be poisoned: check its producers; the "
+                  "rejected events are in %s", self.topic, limit.pause_seconds, rejected, window,
+                  100 * rejected / window, 100 * limit.max_error_rate, _describe(seen),
+                  self.writer.topic if self.writer is not None else "no dead-letter topic (disabled)")
+
+    def paused(self) -> bool:
+        """True while the error-rate limit holds consumption."""
+        limit = self.limit
+        if limit is None or limit.paused_until is None:
+            return False
+        if limit.paused():
+            return True
+        self.metrics.consumption_paused.set(0)
+        log.warning("resuming consumption of %s after a %.0fs pause; it pauses again if over %.0f%% of the next "
+                    "%d events cannot be decoded", self.topic, limit.pause_seconds, 100 * limit.max_error_rate,
+                    limit.window_events)
+        return False
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

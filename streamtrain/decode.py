@@ -31,7 +31,7 @@ from __future__ import annotations
 import io
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import fastavro
@@ -76,8 +76,10 @@ class PartitionSpan:
     next_offset: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClickBatch(Pipelineable):
+    """A decoded batch, complete when made: the decoder makes it as if trained alone, and the
+    lockstep makes the one that trains (``in_global_step``)."""
     dense_features: torch.Tensor  # [B, num_dense] float32
     sparse_features: KeyedJaggedTensor  # one key per table, B lengths per key
     labels: torch.Tensor  # [B] float32
@@ -86,19 +88,26 @@ class ClickBatch(Pipelineable):
     # and gradients match TorchRec's usual per-rank mean when batches are even.
     loss_scale: torch.Tensor
     spans: dict[int, PartitionSpan] = field(default_factory=dict)
+    # Events in this batch's step over all ranks.
+    global_batch_size: int = 0
 
     @property
     def size(self) -> int:
         return int(self.labels.shape[0])
 
+    def in_global_step(self, global_batch_size: int, world_size: int) -> "ClickBatch":
+        """This batch as one rank's part of a step of ``global_batch_size`` events over ``world_size`` ranks."""
+        return replace(self, global_batch_size=global_batch_size,
+                       loss_scale=torch.tensor(world_size / max(global_batch_size, 1), dtype=torch.float32))
+
     def to(self, device: torch.device, non_blocking: bool = False) -> "ClickBatch":
-        return ClickBatch(
-            self.dense_features.to(device, non_blocking=non_blocking),
-            self.sparse_features.to(device, non_blocking=non_blocking),
-            self.labels.to(device, non_blocking=non_blocking),
-            self.event_time_ms.to(device, non_blocking=non_blocking),
-            self.loss_scale.to(device, non_blocking=non_blocking),
-            self.spans,
+        return replace(
+            self,
+            dense_features=self.dense_features.to(device, non_blocking=non_blocking),
+            sparse_features=self.sparse_features.to(device, non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+            event_time_ms=self.event_time_ms.to(device, non_blocking=non_blocking),
+            loss_scale=self.loss_scale.to(device, non_blocking=non_blocking),
         )
 
     def record_stream(self, stream: torch.Stream) -> None:
@@ -398,6 +407,7 @@ def _result(events: list[RawEvent], keys: list[str], status: np.ndarray, lengths
         event_time_ms=torch.from_numpy(times if everything else times[kept]),
         loss_scale=torch.tensor(1.0 / max(count, 1)),
         spans=_spans(events, kept),
+        global_batch_size=count,
     )
     rejected = [(events[i], REASONS[status[i] - 1]) for i in np.flatnonzero(~kept).tolist()]
     return DecodeResult(batch, rejected)

@@ -197,7 +197,8 @@ class Trainer:
         while True:
             started, waited = time.perf_counter(), 0.0
             try:
-                loss_sum, logits, labels = self.pipeline.progress(source)
+                with torch.profiler.record_function("streamtrain.step"):
+                    loss_sum, logits, labels = self.pipeline.progress(source)
             except StopIteration:
                 return
             self.step += 1

@@ -9,16 +9,19 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Callable
+from typing import Protocol
 
+import numpy as np
 import torch.distributed as dist
 
-from streamtrain.batch import Lockstep, Prefetcher
-from streamtrain.checkpoint import Checkpointer, StreamState
+from streamtrain.batch import Prefetcher
+from streamtrain.checkpoint import Checkpointer
 from streamtrain.config import WorkerConfig
-from streamtrain.deadletter import from_config as dead_letter_stage
+from streamtrain.deadletter import Rejections
 from streamtrain.decode import AvroBatchDecoder
+from streamtrain.lockstep import Lockstep, SnapshotSchedule
 from streamtrain.metrics import Health, WorkerMetrics
 from streamtrain.registry import schema_source
 from streamtrain.source import KafkaSource
@@ -29,12 +32,24 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_SECONDS = 30.0
 
 
+class StepObserver(Protocol):
+    """Something the worker is handed that watches every step that trained events, e.g. a
+    benchmark's run record."""
+
+    def step_trained(self, applied: float, freshness: np.ndarray, seconds: float, data_wait: float) -> None:
+        """At wall time ``applied`` a step's update was applied: ``freshness`` holds seconds from
+        each of its events' time to then; the step took ``seconds``, ``data_wait`` of it waiting."""
+
+    def close(self) -> None:
+        """The worker stopped."""
+
+
 class _Progress:
     """Exports each step's figures; a reporter thread prints a summary line every ``interval`` seconds,
     idle or not, so the gauges and the log stay current while the stream is quiet."""
 
     def __init__(self, metrics: WorkerMetrics, rank: int, topic: str, interval: float,
-                 queue_depth: Callable[[], int]):
+                 queue_depth: Callable[[], int], observers: Sequence[StepObserver]):
         self.metrics = metrics
         self.rank = rank
         self.topic = topic
@@ -50,7 +65,7 @@ class _Progress:
         self.last_trained_at = 0.0
         self.done = threading.Event()
         self.thread = threading.Thread(target=self._report_until_done, name="streamtrain-progress", daemon=True)
-        self.run_record = _RunRecord.from_environment(rank)
+        self.observers = observers
 
     def __enter__(self) -> "_Progress":
         self.thread.start()
@@ -61,13 +76,13 @@ class _Progress:
         self.thread.join(timeout=5)
         self.report()
 
-    def record(self, result: StepResult, global_batch_size: int) -> None:
+    def record(self, result: StepResult) -> None:
         batch, metrics = result.batch, self.metrics
         metrics.step_seconds.observe(result.seconds)
         metrics.data_wait_seconds.observe(result.data_wait_seconds)
         metrics.compute_seconds.observe(max(result.seconds - result.data_wait_seconds, 0.0))
         metrics.batch_events.observe(batch.size)
-        metrics.global_batch_size.set(global_batch_size)
+        metrics.global_batch_size.set(batch.global_batch_size)
         for partition, span in batch.spans.items():
             if span.events:
                 metrics.events_trained.labels(self.topic, str(partition)).inc(span.events)
@@ -78,8 +93,8 @@ class _Progress:
             applied = time.time()
             freshness = applied - batch.event_time_ms.cpu().numpy() / 1000.0
             metrics.freshness.observe_many(freshness)
-            if self.run_record is not None:
-                self.run_record.add(applied, freshness, result.seconds, result.data_wait_seconds)
+            for observer in self.observers:
+                observer.step_trained(applied, freshness, result.seconds, result.data_wait_seconds)
         self.step = result.step
         if batch.size:
             self.first_trained_at = self.first_trained_at or time.monotonic()
@@ -114,136 +129,12 @@ class _Progress:
         self.last_time, self.last_trained, self.last_loss_sum = now, trained, loss_sum
 
 
-class _RunRecord:
-    """For ``streamtrain bench``: with STREAMTRAIN_RUN_RECORD=<folder>, the wall time, event count,
-    duration and data wait of every trained step, and the freshness of every trained event (up to
-    MAX_EVENTS), written to <folder>/rank-<N>.npz when the worker stops. Benchmarks exclude their
-    warm-up from these."""
-
-    MAX_EVENTS = 50_000_000
-
-    def __init__(self, path: str):
-        self.path = path
-        self.step_wall: list[float] = []
-        self.step_events: list[int] = []
-        self.step_seconds: list[float] = []
-        self.step_wait: list[float] = []
-        self.freshness: list = []
-        self.kept = 0
-
-    @classmethod
-    def from_environment(cls, rank: int) -> "_RunRecord | None":
-        folder = os.environ.get("STREAMTRAIN_RUN_RECORD")
-        return cls(os.path.join(folder, f"rank-{rank}.npz")) if folder else None
-
-    def add(self, applied: float, freshness, seconds: float, data_wait: float) -> None:
-        if self.kept + freshness.size > self.MAX_EVENTS:
-            return
-        self.step_wall.append(applied)
-        self.step_events.append(int(freshness.size))
-        self.step_seconds.append(seconds)
-        self.step_wait.append(data_wait)
-        self.freshness.append(freshness.astype("float32"))
-        self.kept += freshness.size
-
-    def write(self) -> None:
-        import numpy as np
-
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        np.savez(self.path, step_wall=np.array(self.step_wall, dtype=np.float64),
-                 step_events=np.array(self.step_events, dtype=np.int64),
-                 step_seconds=np.array(self.step_seconds), step_wait=np.array(self.step_wait),
-                 freshness=np.concatenate(self.freshness) if self.freshness else np.zeros(0, np.float32))
-
-
-class _Snapshots:
-    """When to snapshot, and the stream state a snapshot records, for one rank.
-
-    Without ``checkpoint.path`` it only tracks positions, and commits the trained ones to the
-    consumer group now and then. With it, the group only ever hears positions that are durable in
-    a committed snapshot.
-    """
-
-    def __init__(self, config: WorkerConfig, checkpointer: Checkpointer | None, restored: StreamState | None,
-                 source: KafkaSource, prefetcher: Prefetcher):
-        self.config = config
-        self.checkpointer = checkpointer
-        self.source = source
-        self.prefetcher = prefetcher
-        base = restored or StreamState()
-        self.base_step = base.step
-        self.state = StreamState(
-            step=base.step,
-            next_offsets=dict(source.next_offset),
-            trained={p: base.trained.get(p, 0) for p in source.partitions},
-            event_time_high_water_ms=base.event_time_high_water_ms,
-        )
-        self.requested = threading.Event()  # SIGUSR1
-        self.last_commit = time.monotonic()
-
-    def votes(self) -> dict[str, tuple[Callable[[], bool], str]]:
-        if self.checkpointer is None:
-            return {}
-        return {"checkpoint": (self._due, "any"), "saved": (self.checkpointer.save_done, "all")}
-
-    def _due(self) -> bool:
-        checkpointer, interval = self.checkpointer, self.config.checkpoint
-        if checkpointer.save_in_flight:
-            return False
-        return (self.requested.is_set()
-                or time.monotonic() - checkpointer.last_saved_at >= interval.interval_seconds
-                or bool(interval.interval_steps and self.state.step - checkpointer.last_saved_step
-                        >= interval.interval_steps))
-
-    def record(self, result: StepResult) -> None:
-        state = self.state
-        state.step = self.base_step + result.step
-        for partition, span in result.batch.spans.items():
-            state.next_offsets[partition] = span.next_offset
-            state.trained[partition] = state.trained.get(partition, 0) + span.events
-        if result.batch.size:
-            state.event_time_high_water_ms = max(state.event_time_high_water_ms,
-                                                 int(result.batch.event_time_ms.max()))
-
-    def act(self, agreed: dict[str, bool]) -> None:
-        """After a step: commit a finished snapshot, or start one, as every rank agreed."""
-        if self.checkpointer is None:
-            if time.monotonic() - self.last_commit >= self.config.metrics.log_interval_seconds:
-                self.prefetcher.commit_soon(self.state.next_offsets)
-                self.last_commit = time.monotonic()
-        elif agreed.get("saved") and self.checkpointer.save_in_flight:
-            self._committed(self.checkpointer.finish_save(), self.prefetcher.commit_soon)
-        elif agreed.get("checkpoint") and not self.checkpointer.save_in_flight:
-            self.requested.clear()
-            self.checkpointer.start_save(_copy(self.state))
-
-    def close(self, clean: bool) -> None:
-        """At the end: with every rank here (``clean``), finish the save in flight and take a last
-        snapshot; then tell the consumer group the durable positions. The prefetch thread has
-        stopped, so the consumer is called directly."""
-        if self.checkpointer is None:
-            self.source.commit(self.state.next_offsets)
-            return
-        if not clean:
-            return
-        if self.checkpointer.save_in_flight:
-            self._committed(self.checkpointer.finish_save(), self.source.commit)
-        if self.state.step > self.checkpointer.last_saved_step:
-            self._committed(self.checkpointer.save(_copy(self.state)), self.source.commit)
-
-    def _committed(self, stream: StreamState, commit: Callable[[dict[int, int]], None]) -> None:
-        commit({p: o for p, o in stream.next_offsets.items() if p in self.source.partitions})
-
-
-def _copy(state: StreamState) -> StreamState:
-    return StreamState(state.step, dict(state.next_offsets), dict(state.trained), state.event_time_high_water_ms)
-
-
 def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int | None = None,
-               allow_partial_restore: bool = False) -> int:
+               allow_partial_restore: bool = False, observers: Sequence[StepObserver] = ()) -> int:
     """Train until the end offsets (``until_end``), ``max_events``, or SIGTERM/SIGINT; returns the exit code.
 
-    Under torchrun every rank runs this; the ranks step in lockstep (see ``Lockstep``).
+    Under torchrun every rank runs this; the ranks step in lockstep (see ``Lockstep``). Each of
+    ``observers`` sees every step that trained events, and is closed at the end.
     """
     env = init_distributed(config.distributed.timeout_seconds)
     metrics = WorkerMetrics(config.metrics.auc_window)
@@ -279,24 +170,24 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
     health.not_ready_reason = "the Kafka brokers are down"
     health.readiness = lambda: not source.brokers_down
     decoder = AvroBatchDecoder(config.features, schema_source(config.features))
-    dead_letters, error_limit = dead_letter_stage(config.dead_letter, config.kafka, metrics, env.rank)
-    prefetcher = Prefetcher(source, decoder, config.batching, metrics, config.metrics.lag_refresh_seconds,
-                            dead_letters=dead_letters, error_limit=error_limit)
-    snapshots = _Snapshots(config, checkpointer, restored, source, prefetcher)
+    rejections = Rejections(config.dead_letter, config.kafka, metrics, env.rank)
+    prefetcher = Prefetcher(source, decoder, config.batching, metrics, rejections, config.metrics.lag_refresh_seconds)
+    snapshots = SnapshotSchedule(config, checkpointer, restored, source.next_offset, source.partitions,
+                                 commit=prefetcher.commits.offer)
     steps = Lockstep(prefetcher, lambda: decoder.decode([]).batch, env.world_size, own_group(),
-                     flush_after_seconds=config.batching.max_batch_wait_ms / 1000, votes=snapshots.votes(),
+                     flush_after_seconds=config.batching.max_batch_wait_ms / 1000, questions=snapshots.questions(),
                      heartbeat=health.beat)
-    _stop_on_signals(prefetcher, snapshots.requested)
+    _stop_on_signals(prefetcher, snapshots.request)
     progress = _Progress(metrics, env.rank, source.topic, config.metrics.log_interval_seconds,
-                         prefetcher.queue.qsize)
+                         prefetcher.queue.qsize, observers)
     exit_code = 0
     prefetcher.start()
     try:
         with progress:
             for result in trainer.train(steps):
                 health.beat()
-                progress.record(result, steps.global_batch_size)
-                snapshots.record(result)
+                progress.record(result)
+                snapshots.record(result.step, result.batch)
                 metrics.global_step.set(snapshots.state.step)  # continues from a restored snapshot's step
                 snapshots.act(steps.take_agreed())
     except RuntimeError as error:
@@ -308,16 +199,16 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
     finally:
         prefetcher.join(timeout=SHUTDOWN_GRACE_SECONDS)
         try:
-            snapshots.close(clean=exit_code == 0 and sys.exc_info()[0] is None)
+            # The prefetch thread has stopped: the consumer is called directly.
+            snapshots.close(clean=exit_code == 0 and sys.exc_info()[0] is None, commit=source.commit)
         finally:
-            if dead_letters is not None:
-                dead_letters.close()
+            rejections.close()
             source.close()
             metrics.close()
     log.info("rank %d stopped after %d steps, %s; positions %s", env.rank, trainer.step, progress.summary(),
              dict(sorted(snapshots.state.next_offsets.items())))
-    if progress.run_record is not None:
-        progress.run_record.write()
+    for observer in observers:
+        observer.close()
     return exit_code
 
 
@@ -327,10 +218,10 @@ def _is_collective_failure(error: RuntimeError) -> bool:
     return isinstance(error, dist.DistError) or "gloo" in text or "NCCL" in text
 
 
-def _stop_on_signals(prefetcher: Prefetcher, snapshot_requested: threading.Event) -> None:
+def _stop_on_signals(prefetcher: Prefetcher, request_snapshot: Callable[[], None]) -> None:
     """SIGTERM/SIGINT: stop consuming, finish the batches in flight, exit; a watchdog bounds the wait.
     SIGUSR1: take a snapshot now."""
-    signal.signal(signal.SIGUSR1, lambda *_: snapshot_requested.set())
+    signal.signal(signal.SIGUSR1, lambda *_: request_snapshot())
 
     def handle(signum: int, _frame: object) -> None:
         if prefetcher.stopping.is_set():

@@ -1,5 +1,5 @@
 """What the benchmarks share: the machine description, results files, in-memory batches, timed
-training legs, local ranks, and the run records the worker writes for them."""
+training legs, local ranks and throughput windows. Run records are in ``streamtrain.bench.record``."""
 
 from __future__ import annotations
 
@@ -161,53 +161,6 @@ def wait_until_ready(port: int, process, timeout: float = 180.0) -> None:
             pass
         time.sleep(0.25)
     raise RuntimeError(f"the worker was not ready within {timeout:.0f}s (exit code {process.poll()})")
-
-
-# --- run records: what `streamtrain worker` writes when STREAMTRAIN_RUN_RECORD names a folder ---
-
-@dataclass
-class RunRecord:
-    """Every step of every rank: wall time and events trained, and each trained event's freshness."""
-    step_wall: np.ndarray  # [steps] time.time() when the step's update was applied
-    step_events: np.ndarray  # [steps] events trained by that rank in that step
-    freshness: np.ndarray  # [events] seconds from event_time to the update, in training order
-    fresh_wall: np.ndarray  # [events] the step_wall of each freshness value
-    ranks: int
-    # the worker's step durations and data waits, in step order (the naive loop records none)
-    step_seconds: np.ndarray | None = None
-    step_wait: np.ndarray | None = None
-
-    @classmethod
-    def load(cls, folder: Path) -> "RunRecord":
-        parts = [np.load(path) for path in sorted(Path(folder).glob("rank-*.npz"))]
-        if not parts:
-            raise RuntimeError(f"no run record under {folder}: did the worker exit cleanly?")
-        wall = np.concatenate([p["step_wall"] for p in parts])
-        events = np.concatenate([p["step_events"] for p in parts])
-        # freshness values in step order, per rank; a step's events share its wall time
-        fresh_wall = np.concatenate([np.repeat(p["step_wall"], p["step_events"]) for p in parts])
-        fresh = np.concatenate([p["freshness"] for p in parts])
-        order = np.argsort(wall, kind="stable")
-        fresh_order = np.argsort(fresh_wall, kind="stable")
-        timed = all("step_seconds" in p for p in parts)
-        return cls(wall[order], events[order], fresh[fresh_order], fresh_wall[fresh_order], len(parts),
-                   np.concatenate([p["step_seconds"] for p in parts])[order] if timed else None,
-                   np.concatenate([p["step_wait"] for p in parts])[order] if timed else None)
-
-    def data_wait_share(self, warm_up_seconds: float) -> float | None:
-        """Of the trainer's step time after the warm-up, the share spent waiting for the next batch
-        and the ranks' vote: near 0, training is the limit; large, the data path is."""
-        if self.step_seconds is None:
-            return None
-        trained = self.step_events > 0
-        after = self.step_wall >= self.step_wall[trained][0] + warm_up_seconds if trained.any() else trained
-        total = float(self.step_seconds[after].sum())
-        return float(self.step_wait[after].sum()) / total if total else None
-
-    def window(self, warm_up_seconds: float) -> dict:
-        """Events/s from the first step ``warm_up_seconds`` after the first trained event to the last
-        trained event, over all ranks."""
-        return throughput(self.step_wall, self.step_events, warm_up_seconds)
 
 
 def throughput(step_wall: np.ndarray, step_events: np.ndarray, warm_up_seconds: float) -> dict:

@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from streamtrain.bench.common import RESULTS, SCHEMA, RunRecord, local_rank_env, machine, rate_text, throughput
+from streamtrain.bench.common import RESULTS, SCHEMA, local_rank_env, machine, rate_text, throughput
+from streamtrain.bench.record import RunRecord
 from streamtrain.config import PACKAGE_ROOT
 
 WORLD_SIZE = 2

@@ -29,9 +29,10 @@ from typing import Callable
 
 import numpy as np
 
-from streamtrain.bench.common import (SCHEMA, RunRecord, cdf_points, cpu_seconds, free_port_pair, machine,
-                                      quantiles, rate_text, wait_until_ready)
+from streamtrain.bench.common import (SCHEMA, cdf_points, cpu_seconds, free_port_pair, machine, quantiles, rate_text,
+                                      wait_until_ready)
 from streamtrain.bench.e2e import WORLD_SIZE, _children, worker_environment, worker_leg
+from streamtrain.bench.record import RunRecord
 from streamtrain.config import PACKAGE_ROOT
 
 

@@ -13,7 +13,7 @@ Ranks stay in step: before each step they all-reduce (events held, finished); a 
 batch trains an empty one, so no collective waits forever, and all stop when every rank is done.
 
 Run by ``bench e2e`` as ``python -m streamtrain.bench.naive`` in one process per rank, with
-torchrun's environment; it writes ``<record>/rank-<N>.npz`` in the worker's run-record format.
+torchrun's environment; it writes ``<record>/rank-<N>.npz`` with ``RunRecorder``, as the worker does.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch, choose
 
+from streamtrain.bench.record import RunRecorder
 from streamtrain.config import FeaturesConfig, ModelConfig, load_config
 from streamtrain.decode import _as_id_array, map_ids
 from streamtrain.schema import load_schema, without_logical_types
@@ -94,9 +95,7 @@ def main() -> None:
     dense_optimizer = torch.optim.Adam(dense_params, lr=config.model.dense_learning_rate)
 
     args.record.mkdir(parents=True, exist_ok=True)
-    step_wall: list[float] = []
-    step_events: list[int] = []
-    freshness: list[np.ndarray] = []
+    record = RunRecorder(args.record, rank)
     while True:
         # consume up to a batch, or what arrives within max_batch_wait_ms, in the training loop itself
         records = []
@@ -133,17 +132,14 @@ def main() -> None:
         sparse_optimizer.step()
         dense_optimizer.step()
         applied = time.time()
-        if not step_wall:  # for `bench e2e --profile`: sampling starts after the warm-up
+        if not record.step_wall:  # for `bench e2e --profile`: sampling starts after the warm-up
             (args.record / f"rank-{rank}.started").touch()
-        step_wall.append(applied)
-        step_events.append(len(records))
-        freshness.append((applied - times / 1000.0).astype(np.float32))
+        record.step_trained(applied, applied - times / 1000.0)
 
     consumer.close()
-    args.record.mkdir(parents=True, exist_ok=True)
-    np.savez(args.record / f"rank-{rank}.npz", step_wall=np.array(step_wall), step_events=np.array(step_events),
-             freshness=np.concatenate(freshness) if freshness else np.zeros(0, np.float32))
-    print(f"naive rank {rank} stopped after {len(step_wall)} steps, {sum(step_events):,} events trained", flush=True)
+    record.close()
+    print(f"naive rank {rank} stopped after {len(record.step_wall)} steps, {sum(record.step_events):,} events "
+          f"trained", flush=True)
     dist.destroy_process_group()
 
 
