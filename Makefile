@@ -1,4 +1,4 @@
-# Two commands matter: `make demo` and `make test`. Both run `make setup` first, which is
+# Two commands matter: `make demo` and `make test` (which runs `make lint` first). Both run `make setup` first, which is
 # idempotent: a second run only checks stamps and costs seconds.
 SHELL := /bin/bash
 PYTHON ?= python3.11
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 KAFKA_VERSION := 4.1.1
 KAFKA_LIBS := .cache/kafka/$(KAFKA_VERSION)/libs
 
-.PHONY: setup test demo kafka clean
+.PHONY: setup lint test demo kafka clean
 .DEFAULT_GOAL := setup
 
 setup: $(VENV)/.stamp $(KAFKA_LIBS)/.stamp .cache/prometheus.stamp
@@ -34,7 +34,13 @@ $(KAFKA_LIBS)/.stamp: deploy/kafka/pom.xml
 	    echo "warning: could not install Debian's prometheus; the scraping tests will say so and skip"
 	mkdir -p .cache && (command -v prometheus >/dev/null && touch $@ || true)
 
-test: setup
+# Static checks, configured in pyproject.toml: ruff's lint rules, the formatter's verdict, and mypy.
+lint: $(VENV)/.stamp
+	$(VENV)/bin/ruff check streamtrain tests
+	$(VENV)/bin/ruff format --check streamtrain tests
+	$(VENV)/bin/mypy
+
+test: setup lint
 	$(PY) -m pytest -ra tests
 
 demo: setup

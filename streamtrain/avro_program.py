@@ -23,14 +23,19 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 import fastavro
 import numpy as np
+import numpy.typing as npt
 from numba import njit
 
+# The status and opcode tables are laid out by hand (packed rows, aligned comments), so the
+# formatter leaves them alone.
+# fmt: off
 # Rejection reasons; a status code is an index into this tuple plus one (0 means decoded).
 REASONS = (
     "empty_payload", "truncated", "trailing_bytes", "bad_varint", "bad_length", "bad_union_index",
@@ -39,7 +44,8 @@ REASONS = (
 )
 OK = 0
 (EMPTY_PAYLOAD, TRUNCATED, TRAILING_BYTES, BAD_VARINT, BAD_LENGTH, BAD_UNION_INDEX, BAD_ENUM_INDEX,
- BAD_MAGIC_BYTE, UNKNOWN_SCHEMA_ID, MISSING_LABEL, NON_FINITE_DENSE, UNDECODABLE, BAD_LABEL) = range(1, len(REASONS) + 1)
+ BAD_MAGIC_BYTE, UNKNOWN_SCHEMA_ID, MISSING_LABEL, NON_FINITE_DENSE, UNDECODABLE,
+ BAD_LABEL) = range(1, len(REASONS) + 1)
 # Not a reason: an event the interpreter must leave alone (its schema is decoded by fastavro).
 NOT_MINE = 127
 
@@ -72,6 +78,7 @@ _OPERANDS = {END: 0, BOOL: 0, LONG: 0, FLOAT: 0, DOUBLE: 0, STRING: 0, SKIP_BYTE
 _NAMES = ("END", "BOOL", "LONG", "FLOAT", "DOUBLE", "STRING", "SKIP_BYTES", "SKIP_FIXED", "SKIP_VARINT", "ENUM",
           "UNION", "JUMP", "BLOCKS", "NEXT_ITEM", "CONST_INT", "CONST_FLOAT", "CONST_HASH", "ID", "DENSE", "LABEL",
           "TIME")
+# fmt: on
 
 # Register kinds: what the last read left for the sinks.
 KIND_INT, KIND_FLOAT, KIND_HASH = 0, 1, 2
@@ -269,7 +276,7 @@ class _Compiler:
     def first_match(self, w: Any, branches: list) -> Any:
         return next((b for b in branches if self.matches(w, b)), None)
 
-    def branches(self, branches: list[tuple[Any, Any]], body) -> None:
+    def branches(self, branches: list[tuple[Any, Any]], body: Callable[[Any, Any], None]) -> None:
         """A union: jump on the branch index, run that branch, join after the last."""
         at = self.emit(UNION, len(branches), *([-1] * len(branches)))
         exits = []
@@ -282,7 +289,7 @@ class _Compiler:
         for jump in exits:
             self.code[jump + 1] = len(self.code)
 
-    def blocks(self, w: dict, body) -> None:
+    def blocks(self, w: dict[str, Any], body: Callable[[], None]) -> None:
         self.nesting += 1
         if self.nesting > MAX_NESTING:
             raise Unsupported("arrays or maps nested too deeply")
@@ -404,9 +411,17 @@ def compile_program(writer: dict, reader: dict, plan: FeaturePlan) -> Program:
 
 # ---------------------------------------------------------------------------------------------
 # The interpreter. Plain numba over numpy arrays; no objects, no exceptions.
+# numba types each function from its arguments' dtypes and ignores these hints; they say which
+# dtypes the callers must pass (another dtype makes numba compile a second specialisation).
+U8 = npt.NDArray[np.uint8]
+I8 = npt.NDArray[np.int8]
+I32 = npt.NDArray[np.int32]
+I64 = npt.NDArray[np.int64]
+F32 = npt.NDArray[np.float32]
+
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _varint(buf, pos, end):
+def _varint(buf: U8, pos: int, end: int) -> tuple[np.int64 | int, int, int]:
     """(zigzag-decoded value, new position, status)."""
     result = np.uint64(0)
     shift = np.uint64(0)
@@ -424,7 +439,7 @@ def _varint(buf, pos, end):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _length(buf, pos, end):
+def _length(buf: U8, pos: int, end: int) -> tuple[np.int64 | int, int, int]:
     """A byte length: (value, new position, status), a negative length being bad."""
     n, pos, status = _varint(buf, pos, end)
     if status == OK and n < 0:
@@ -433,7 +448,7 @@ def _length(buf, pos, end):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _splitmix64(x):
+def _splitmix64(x: np.uint64) -> np.uint64:
     z = x + np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -441,13 +456,25 @@ def _splitmix64(x):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _too_long(n, end, start):
+def _too_long(n: int, end: int, start: int) -> int:
     """The status for a length that overruns the payload: past even the whole payload, the
     length itself is absurd; otherwise the payload was cut short."""
     return BAD_LENGTH if n > end - start else TRUNCATED
 
 
-def run_batch(buf, starts, ends, entry, code, clip, status, lengths, dense, labels, times):
+def run_batch(
+    buf: U8,
+    starts: I64,
+    ends: I64,
+    entry: I64,
+    code: I64,
+    clip: bool,
+    status: I8,
+    lengths: I32,
+    dense: F32,
+    labels: F32,
+    times: I64,
+) -> tuple[I64, I32, I64, I64]:
     """``run_programs`` over a whole batch, growing the row arrays as it needs: (rows, table of each
     row, first row of each event, end of each event's rows)."""
     n = len(starts)
@@ -465,8 +492,25 @@ def run_batch(buf, starts, ends, entry, code, clip, status, lengths, dense, labe
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def run_programs(buf, starts, ends, entry, code, clip, status, lengths, dense, labels, times,
-                 rows, row_table, first, stop, event, count):
+def run_programs(
+    buf: U8,
+    starts: I64,
+    ends: I64,
+    entry: I64,
+    code: I64,
+    clip: bool,
+    status: I8,
+    lengths: I32,
+    dense: F32,
+    labels: F32,
+    times: I64,
+    rows: I64,
+    row_table: I32,
+    first: I64,
+    stop: I64,
+    event: int,
+    count: int,
+) -> tuple[int, int]:
     """Decodes events ``event``.. of the batch, event e with the program at code[entry[e]:] (events
     with entry -1 are left alone), filling the per-event outputs and appending table rows event by
     event to ``rows``/``row_table`` from ``count`` on; event e's are rows[first[e]:stop[e]].
@@ -678,7 +722,7 @@ def run_programs(buf, starts, ends, entry, code, clip, status, lengths, dense, l
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def gather_rows(rows, row_table, first, stop, status, lengths):
+def gather_rows(rows: I64, row_table: I32, first: I64, stop: I64, status: I8, lengths: I32) -> I64:
     """Event-major rows of the kept events (status 0) -> key-major, as a KJT's values."""
     n_tables, n = lengths.shape
     offsets = np.zeros(n_tables + 1, np.int64)
@@ -701,7 +745,7 @@ def gather_rows(rows, row_table, first, stop, status, lengths):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def parse_frames(buf, starts, ends, status, schema_ids):
+def parse_frames(buf: U8, starts: I64, ends: I64, status: I8, schema_ids: I64) -> None:
     """Confluent framing: magic byte 0 and a 4-byte big-endian schema id, then the body."""
     for e in range(starts.shape[0]):
         if status[e] != OK:

@@ -17,7 +17,7 @@ import logging
 import time
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import fsspec
 import torch
@@ -29,6 +29,12 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from streamtrain.config import CheckpointConfig, WorkerConfig
 from streamtrain.schema import load_schema
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    from streamtrain.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -55,16 +61,16 @@ class StreamState:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> "StreamState":
+    def from_json(cls, text: str) -> StreamState:
         raw = json.loads(text)
         return cls(step=raw["step"], next_offsets={int(p): o for p, o in raw["next_offsets"].items()},
                    trained={int(p): n for p, n in raw["trained"].items()},
                    event_time_high_water_ms=raw["event_time_high_water_ms"])
 
-    def copy(self) -> "StreamState":
+    def copy(self) -> StreamState:
         return StreamState(self.step, dict(self.next_offsets), dict(self.trained), self.event_time_high_water_ms)
 
-    def merged(self, other: "StreamState") -> "StreamState":
+    def merged(self, other: StreamState) -> StreamState:
         return StreamState(max(self.step, other.step), {**self.next_offsets, **other.next_offsets},
                            {**self.trained, **other.trained},
                            max(self.event_time_high_water_ms, other.event_time_high_water_ms))
@@ -106,7 +112,7 @@ class SnapshotInfo:
     step: int
     complete: bool
     problem: str | None
-    metadata: dict | None
+    metadata: dict[str, Any] | None
     bytes: int
 
 
@@ -136,6 +142,8 @@ def verify_snapshot(path: str, step: int | None = None) -> SnapshotInfo:
     fs, local = _fs(path)
     name = local.rstrip("/").rsplit("/", 1)[-1]
     step = _step_of(name) if step is None else step
+    if step is None:
+        raise ValueError(f"{path} is not a snapshot: its name is not step-<N>")
     size = sum(fs.du(local, total=False).values()) if fs.exists(local) else 0
     if name.endswith(PARTIAL):
         return SnapshotInfo(path, step, False, "never finished (no commit by rank 0)", None, size)
@@ -163,13 +171,13 @@ def verify_snapshot(path: str, step: int | None = None) -> SnapshotInfo:
     return SnapshotInfo(path, step, True, None, metadata, size)
 
 
-def _fsspec_reader(path: str):
+def _fsspec_reader(path: str) -> FsspecReader:
     from torch.distributed.checkpoint import FsspecReader
 
     return FsspecReader(path)
 
 
-def _fsspec_writer(path: str):
+def _fsspec_writer(path: str) -> FsspecWriter:
     from torch.distributed.checkpoint import FsspecWriter
 
     return FsspecWriter(path)
@@ -179,8 +187,17 @@ class Checkpointer:
     """Saves and restores one worker's full training state; every method is called on all ranks
     at the same step (the lockstep agrees when)."""
 
-    def __init__(self, config: CheckpointConfig, worker_config: WorkerConfig, model: torch.nn.Module,
-                 optimizer: Any, rank: int, world_size: int, group: dist.ProcessGroup | None, metrics=None):
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        worker_config: WorkerConfig,
+        model: torch.nn.Module,
+        optimizer: Any,
+        rank: int,
+        world_size: int,
+        group: dist.ProcessGroup | None,
+        metrics: WorkerMetrics | None = None,
+    ):
         self.config = config
         self.root = str(config.path)
         self.model = model
@@ -296,7 +313,7 @@ class Checkpointer:
         states: list[str | None] = [None] * self.world_size
         dist.all_gather_object(states, local.to_json(), group=self.group)
         merged = StreamState()
-        for text in states:
+        for text in cast(list[str], states):  # all_gather_object filled every slot
             merged = merged.merged(StreamState.from_json(text))
         return merged
 
@@ -307,6 +324,7 @@ class Checkpointer:
             if not snapshot.complete:
                 log.warning("skipping snapshot %s: %s", snapshot.path, snapshot.problem)
                 continue
+            assert snapshot.metadata is not None  # a complete snapshot has its marker
             theirs = snapshot.metadata.get("fingerprint", {})
             mismatched = sorted(k for k, v in self.fingerprint.items() if theirs.get(k) != v)
             if mismatched and not allow_partial:
@@ -345,7 +363,7 @@ class Checkpointer:
         return StreamState.from_json(state["stream"])
 
 
-def _matching_only(state: dict[str, Any], metadata) -> dict[str, Any]:
+def _matching_only(state: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
     """Keep the tensors the snapshot has under the same name and shape (for a partial restore)."""
     saved = metadata.state_dict_metadata
 

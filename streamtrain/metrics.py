@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from collections import deque
-from typing import Callable
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
@@ -97,7 +97,8 @@ class ProgressiveQuality:
                 return {w: {"auc": nan, "ne": nan, "calibration": nan} for w in ("window", "lifetime")}
             p = np.concatenate(self.scores)[-self.window:]
             y = np.concatenate(self.labels)[-self.window:]
-            positives, negatives, sums = self.positives.copy(), self.negatives.copy(), self.sums.copy()
+            positives, negatives = self.positives.copy(), self.negatives.copy()
+            bce_sum, label_sum, prob_sum, events = self.sums.tolist()
         # binned AUC: P(score_pos > score_neg) + half the ties within a bin
         below = np.cumsum(negatives) - negatives
         pairs = positives.sum() * negatives.sum()
@@ -106,7 +107,7 @@ class ProgressiveQuality:
         return {
             "window": _quality(float(_log_loss(p, y).sum()), float(y.sum()), float(p.sum()), float(y.size),
                                roc_auc(p, y)),
-            "lifetime": _quality(*sums, lifetime_auc),
+            "lifetime": _quality(bce_sum, label_sum, prob_sum, events, lifetime_auc),
         }
 
 
@@ -130,12 +131,12 @@ class BulkHistogram:
             self.counts += np.bincount(index, minlength=self.counts.size)
             self.sum += float(values.sum())
 
-    def collect(self):
+    def collect(self) -> Iterator[HistogramMetricFamily]:
         with self.lock:
             cumulative = np.cumsum(self.counts)
             total = self.sum
         family = HistogramMetricFamily(self.name, self.documentation)
-        buckets = [(repr(float(b)), int(c)) for b, c in zip(self.bounds, cumulative[:-1])]
+        buckets = [(repr(float(b)), int(c)) for b, c in zip(self.bounds, cumulative[:-1], strict=True)]
         buckets.append(("+Inf", int(cumulative[-1])))
         family.add_metric([], buckets, total)
         yield family
@@ -264,14 +265,14 @@ class WorkerMetrics:
         self.checkpoint_last_success.set(time.time())
         self.checkpoint_failures = Counter("streamtrain_checkpoint_failures", "Snapshots that failed to write.",
                                            registry=registry)
-        self._server = None
+        self._server: ThreadingHTTPServer | None = None
 
     def serve(self, host: str, port: int, health: Health) -> int:
         """Serve /metrics, /healthz and /readyz; returns the bound port (useful when ``port`` is 0)."""
         registry = self.registry
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (http.server's naming)
+            def do_GET(self) -> None:  # http.server's naming
                 path = self.path.split("?")[0]
                 if path == "/metrics":
                     status, body, kind = 200, generate_latest(registry), CONTENT_TYPE_LATEST

@@ -89,5 +89,6 @@ def _kind(avro_type: Any, names: dict[str, Any]) -> str:
     if isinstance(avro_type, dict):
         if avro_type["type"] == "array":
             return _kind(avro_type["items"], names) + "_list"
-        return _KIND_OF_PRIMITIVE.get(avro_type["type"], avro_type["type"])
+        type_name: str = avro_type["type"]  # a primitive, or "record", "enum", "map", "fixed"
+        return _KIND_OF_PRIMITIVE.get(type_name, type_name)
     return _KIND_OF_PRIMITIVE.get(avro_type, avro_type)

@@ -12,10 +12,11 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -117,6 +118,7 @@ def plan_table(plan: ShardingPlan, config: WorkerConfig, world_size: int) -> lis
     state_per_row = _OPTIMIZER_STATE_PER_ROW[config.model.sparse_optimizer]
     for table in config.features.tables:
         sharding = plan.plan[_EBC][table.name]
+        shards: list[dict[str, Any]]  # rank, offsets, sizes; then bytes
         if sharding.sharding_spec is None:  # data parallel: a full replica on every rank
             shards = [{"rank": r, "offsets": [0, 0], "sizes": [table.num_embeddings, table.embedding_dim]}
                       for r in range(world_size)]
