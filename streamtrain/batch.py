@@ -53,7 +53,7 @@ class Prefetcher:
         self.thread = threading.Thread(target=self._run, name="streamtrain-prefetch", daemon=True)
         metrics.queue_capacity.set(config.queue_size)
 
-    def start(self) -> "Prefetcher":
+    def start(self) -> Prefetcher:
         self.thread.start()
         return self
 

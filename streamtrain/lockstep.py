@@ -51,9 +51,9 @@ class Lockstep:
     batch; a rank without one contributes an empty batch, so every rank enters every collective of
     the step. Nobody steps when no rank has data: each waits on its own queue for a bounded time
     and asks again; once ``flush_after_seconds`` have passed since a step that held events, empty
-    steps release the batches the pipeline still holds. A stop (a signal to any rank) or the end of every rank's stream ends the iteration on
-    all ranks at the same step. The iterator never yields None, which TrainPipelineSparseDist would
-    take for the end of the stream.
+    steps release the batches the pipeline still holds. A stop (a signal to any rank) or the end
+    of every rank's stream ends the iteration on all ranks at the same step. The iterator never
+    yields None, which TrainPipelineSparseDist would take for the end of the stream.
 
     Every batch yielded is a new ``ClickBatch`` that knows its step's global size, and whose loss
     scale is world size over it.
@@ -62,10 +62,17 @@ class Lockstep:
     BUSY_WAIT_SECONDS = 0.005
     IDLE_WAIT_SECONDS = 0.1
 
-    def __init__(self, batches: BatchQueue, empty_batch: Callable[[], ClickBatch], world_size: int,
-                 group: dist.ProcessGroup | None, flush_after_seconds: float,
-                 questions: dict[str, Question] | None = None, heartbeat: Callable[[], None] = lambda: None,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        batches: BatchQueue,
+        empty_batch: Callable[[], ClickBatch],
+        world_size: int,
+        group: dist.ProcessGroup | None,
+        flush_after_seconds: float,
+        questions: dict[str, Question] | None = None,
+        heartbeat: Callable[[], None] = lambda: None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         """An agreed question (``take_agreed()``) is a reason to step even when no rank has data,
         so that e.g. a due snapshot is taken on an idle stream."""
         self.batches = batches
@@ -114,19 +121,24 @@ class Lockstep:
 
         Whether to flush is voted too: each rank's clock says it at a slightly different moment,
         and a rank stepping alone would wait in the pipeline's collectives for ever."""
-        votes = torch.tensor([
-            batch.size if batch is not None else 0,
-            batch is not None,
-            flush,
-            self.batches.stopping.is_set(),
-            self.batches.finished,
-            *(bool(ask()) for ask, _mode in self.questions.values()),
-        ], dtype=torch.int64)
+        votes = torch.tensor(
+            [
+                batch.size if batch is not None else 0,
+                batch is not None,
+                flush,
+                self.batches.stopping.is_set(),
+                self.batches.finished,
+                *(bool(ask()) for ask, _mode in self.questions.values()),
+            ],
+            dtype=torch.int64,
+        )
         if self.world_size > 1:
             dist.all_reduce(votes, group=self.group)
         global_size, batches_held, flushes, stops, finished, *answers = votes.tolist()
-        self.agreed = {name: count > 0 if mode == "any" else count == self.world_size
-                       for (name, (_ask, mode)), count in zip(self.questions.items(), answers, strict=True)}
+        self.agreed = {
+            name: count > 0 if mode == "any" else count == self.world_size
+            for (name, (_ask, mode)), count in zip(self.questions.items(), answers, strict=True)
+        }
         step = bool(batches_held or flushes or any(self.agreed.values()))
         return global_size, step, bool(stops) or finished == self.world_size
 
@@ -142,9 +154,16 @@ class SnapshotSchedule:
     only ever hears positions that are durable in a committed snapshot.
     """
 
-    def __init__(self, config: WorkerConfig, checkpointer: Checkpointer | None, restored: StreamState | None,
-                 start_offsets: dict[int, int], partitions: list[int],
-                 commit: Callable[[dict[int, int]], None], clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        config: WorkerConfig,
+        checkpointer: Checkpointer | None,
+        restored: StreamState | None,
+        start_offsets: dict[int, int],
+        partitions: list[int],
+        commit: Callable[[dict[int, int]], None],
+        clock: Callable[[], float] = time.monotonic,
+    ):
         """``commit`` hands positions to the consumer group from the training thread (the
         prefetcher forwards them); ``close`` takes the direct commit once that thread has stopped."""
         self.config = config
@@ -176,10 +195,13 @@ class SnapshotSchedule:
         checkpointer, interval = self.checkpointer, self.config.checkpoint
         if checkpointer is None or checkpointer.save_in_flight:
             return False
-        return (self.requested.is_set()
-                or self.clock() - checkpointer.last_saved_at >= interval.interval_seconds
-                or bool(interval.interval_steps and self.state.step - checkpointer.last_saved_step
-                        >= interval.interval_steps))
+        return (
+            self.requested.is_set()
+            or self.clock() - checkpointer.last_saved_at >= interval.interval_seconds
+            or bool(
+                interval.interval_steps and self.state.step - checkpointer.last_saved_step >= interval.interval_steps
+            )
+        )
 
     def record(self, step: int, batch: ClickBatch) -> None:
         """The trainer applied ``batch`` as its ``step``-th step since this process started."""

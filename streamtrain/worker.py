@@ -67,7 +67,7 @@ class _Progress:
         self.thread = threading.Thread(target=self._report_until_done, name="streamtrain-progress", daemon=True)
         self.observers = observers
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         self.thread.start()
         return self
 

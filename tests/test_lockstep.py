@@ -28,8 +28,9 @@ def click_batch(events: int, partition: int = 0, next_offset: int = 0) -> ClickB
     """A decoded batch of ``events`` events with one id each, as the decoder makes it."""
     return ClickBatch(
         dense_features=torch.ones(events, 1),
-        sparse_features=KeyedJaggedTensor(keys=["t"], values=torch.arange(events), lengths=torch.ones(events,
-                                                                                                      dtype=torch.int64)),
+        sparse_features=KeyedJaggedTensor(
+            keys=["t"], values=torch.arange(events), lengths=torch.ones(events, dtype=torch.int64)
+        ),
         labels=torch.zeros(events),
         event_time_ms=torch.full((events,), 1_000, dtype=torch.int64),
         loss_scale=torch.tensor(1.0 / max(events, 1)),
@@ -75,8 +76,15 @@ class FakeQueue:
 
 def run(script: list[ClickBatch | None], *, questions=None, finish: bool = False) -> tuple[list[ClickBatch], Lockstep]:
     clock = FakeClock()
-    steps = Lockstep(FakeQueue(script, clock, finish), lambda: click_batch(0), world_size=1, group=None,
-                     flush_after_seconds=FLUSH_AFTER, questions=questions, clock=clock)
+    steps = Lockstep(
+        FakeQueue(script, clock, finish),
+        lambda: click_batch(0),
+        world_size=1,
+        group=None,
+        flush_after_seconds=FLUSH_AFTER,
+        questions=questions,
+        clock=clock,
+    )
     return list(steps), steps
 
 
@@ -100,8 +108,9 @@ def test_a_quiet_stream_is_flushed_by_two_empty_steps_after_the_wait_then_idles(
 def test_no_flush_before_max_batch_wait():
     clock = FakeClock()
     queue = FakeQueue([click_batch(3), None], clock)  # one idle wait of 0.005 s, far below FLUSH_AFTER
-    steps = Lockstep(queue, lambda: click_batch(0), world_size=1, group=None, flush_after_seconds=FLUSH_AFTER,
-                     clock=clock)
+    steps = Lockstep(
+        queue, lambda: click_batch(0), world_size=1, group=None, flush_after_seconds=FLUSH_AFTER, clock=clock
+    )
     assert [b.size for b in steps] == [3]
 
 
@@ -114,15 +123,22 @@ def test_waits_are_short_while_busy_and_bounded_while_idle():
 
 def test_nobody_steps_on_an_idle_stream_until_a_question_is_agreed():
     answers = iter([False, False, True] + [False] * 10)
-    stepped, steps = run([None, None, None, None], questions={"checkpoint": (lambda: next(answers), "any")})
+    stepped, _steps = run([None, None, None, None], questions={"checkpoint": (lambda: next(answers), "any")})
     assert [b.size for b in stepped] == [0]  # the agreed question's step, though no rank has data
 
 
 def test_agreed_answers_are_handed_out_once():
     seen = []
     clock = FakeClock()
-    steps = Lockstep(FakeQueue([click_batch(1), click_batch(1)], clock), lambda: click_batch(0), 1, None,
-                     FLUSH_AFTER, questions={"saved": (lambda: True, "all")}, clock=clock)
+    steps = Lockstep(
+        FakeQueue([click_batch(1), click_batch(1)], clock),
+        lambda: click_batch(0),
+        1,
+        None,
+        FLUSH_AFTER,
+        questions={"saved": (lambda: True, "all")},
+        clock=clock,
+    )
     for _batch in steps:
         seen.append(steps.take_agreed())
         seen.append(steps.take_agreed())
@@ -135,6 +151,7 @@ def test_the_end_of_the_stream_ends_the_iteration():
 
 
 # --- snapshot triggers -------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def config():
@@ -182,8 +199,15 @@ def schedule(config, checkpointer=None, restored=None):
     clock = FakeClock()
     checkpointer = checkpointer(clock) if checkpointer else None
     commits: list[dict[int, int]] = []
-    plan = SnapshotSchedule(config, checkpointer, restored, start_offsets={0: 100, 2: 7}, partitions=[0, 2],
-                            commit=commits.append, clock=clock)
+    plan = SnapshotSchedule(
+        config,
+        checkpointer,
+        restored,
+        start_offsets={0: 100, 2: 7},
+        partitions=[0, 2],
+        commit=commits.append,
+        clock=clock,
+    )
     return plan, clock, checkpointer, commits
 
 
@@ -213,8 +237,9 @@ def test_a_snapshot_records_the_stream_at_its_step_and_commits_only_once_written
     plan.act({"checkpoint": True, "saved": False})
     plan.record(2, click_batch(2, partition=2, next_offset=9))  # trained after the cut: not in it
     cut = checkpointer.in_flight
-    assert cut == StreamState(step=41, next_offsets={0: 104, 2: 7}, trained={0: 504, 2: 3},
-                              event_time_high_water_ms=1_000)
+    assert cut == StreamState(
+        step=41, next_offsets={0: 104, 2: 7}, trained={0: 504, 2: 3}, event_time_high_water_ms=1_000
+    )
     checkpointer.written = True
     plan.act({"checkpoint": False, "saved": False})  # written here, not yet on every rank
     assert commits == [] and checkpointer.save_in_flight
@@ -257,6 +282,7 @@ def test_without_checkpoints_trained_positions_are_committed_every_log_interval(
 
 # --- the vote on 2 real ranks ------------------------------------------------------------------
 
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -271,8 +297,15 @@ def _vote_rank(rank: int, port: int, out: str) -> None:
     script = [click_batch(3), click_batch(5), *[None] * 40] if rank == 0 else [None] * 30
     queue = FakeQueue(script, clock, pace=1.0 if rank == 0 else 0.3)
     due = iter([rank == 1] + [False] * 100)
-    steps = Lockstep(queue, lambda: click_batch(0), world_size=2, group=dist.new_group(backend="gloo"),
-                     flush_after_seconds=FLUSH_AFTER, questions={"due": (lambda: next(due), "any")}, clock=clock)
+    steps = Lockstep(
+        queue,
+        lambda: click_batch(0),
+        world_size=2,
+        group=dist.new_group(backend="gloo"),
+        flush_after_seconds=FLUSH_AFTER,
+        questions={"due": (lambda: next(due), "any")},
+        clock=clock,
+    )
     stepped, agreed = [], []
     for batch in steps:
         # len(queue.waits) counts the votes so far: stepping together means at the same vote

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -37,8 +38,9 @@ class RunRecorder:
         self.freshness: list[np.ndarray] = []
         self.kept = 0
 
-    def step_trained(self, applied: float, freshness: np.ndarray, seconds: float | None = None,
-                     data_wait: float | None = None) -> None:
+    def step_trained(
+        self, applied: float, freshness: np.ndarray, seconds: float | None = None, data_wait: float | None = None
+    ) -> None:
         if self.kept + freshness.size > self.MAX_EVENTS:
             return
         self.step_wall.append(applied)
@@ -50,18 +52,21 @@ class RunRecorder:
 
     def close(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        timings = {}
+        arrays: dict[str, Any] = {
+            "step_wall": np.array(self.step_wall, dtype=np.float64),
+            "step_events": np.array(self.step_events, dtype=np.int64),
+            "freshness": np.concatenate(self.freshness) if self.freshness else np.zeros(0, np.float32),
+        }
         if all(s is not None for s in self.step_seconds + self.step_wait):
-            timings = {"step_seconds": np.array(self.step_seconds, dtype=np.float64),
-                       "step_wait": np.array(self.step_wait, dtype=np.float64)}
-        np.savez(self.path, step_wall=np.array(self.step_wall, dtype=np.float64),
-                 step_events=np.array(self.step_events, dtype=np.int64),
-                 freshness=np.concatenate(self.freshness) if self.freshness else np.zeros(0, np.float32), **timings)
+            arrays["step_seconds"] = np.array(self.step_seconds, dtype=np.float64)
+            arrays["step_wait"] = np.array(self.step_wait, dtype=np.float64)
+        np.savez(self.path, **arrays)
 
 
 @dataclass
 class RunRecord:
     """Every step of every rank: wall time and events trained, and each trained event's freshness."""
+
     step_wall: np.ndarray  # [steps] time.time() when the step's update was applied
     step_events: np.ndarray  # [steps] events trained by that rank in that step
     freshness: np.ndarray  # [events] seconds from event_time to the update, in training order
@@ -84,9 +89,15 @@ class RunRecord:
         order = np.argsort(wall, kind="stable")
         fresh_order = np.argsort(fresh_wall, kind="stable")
         timed = all("step_seconds" in p for p in parts)
-        return cls(wall[order], events[order], fresh[fresh_order], fresh_wall[fresh_order], len(parts),
-                   np.concatenate([p["step_seconds"] for p in parts])[order] if timed else None,
-                   np.concatenate([p["step_wait"] for p in parts])[order] if timed else None)
+        return cls(
+            wall[order],
+            events[order],
+            fresh[fresh_order],
+            fresh_wall[fresh_order],
+            len(parts),
+            np.concatenate([p["step_seconds"] for p in parts])[order] if timed else None,
+            np.concatenate([p["step_wait"] for p in parts])[order] if timed else None,
+        )
 
     def data_wait_share(self, warm_up_seconds: float) -> float | None:
         """Of the trainer's step time after the warm-up, the share spent waiting for the next batch
