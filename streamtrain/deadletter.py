@@ -279,9 +279,6 @@ class ErrorRateLimit:
             return False
         return True
 
-    def rate(self) -> float:
-        return self.rejected / self.events if self.events else 0.0
-
 
 class _Unwritten(Exception):
     """An attempt left these dead letters unwritten, each with its error."""
