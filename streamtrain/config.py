@@ -61,7 +61,6 @@ class KafkaConfig(_ClientProperties):
     bootstrap_servers: str = Field(min_length=1)
     topic: str = Field(min_length=1)
     group_id: str = "streamtrain"
-    poll_timeout_ms: int = Field(default=100, gt=0, le=10_000)
 
     def librdkafka(self) -> dict[str, str]:
         """The librdkafka properties, secrets included; never log the result."""

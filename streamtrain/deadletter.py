@@ -26,6 +26,7 @@ from confluent_kafka.admin import AdminClient
 
 from streamtrain.config import DeadLetterConfig, KafkaConfig
 from streamtrain.metrics import WorkerMetrics
+from streamtrain.retry import Backoff, retry
 from streamtrain.source import RawEvent
 
 log = logging.getLogger(__name__)
@@ -111,22 +112,25 @@ class DeadLetterWriter:
         Returns True once all are written; False only if ``stopping`` was set first (the caller
         must then not hand over the batch these events belong to)."""
         pending = rejected
-        backoff = self.config.retry_backoff_seconds
-        attempt = 0
-        blocked_since = None
-        while True:
-            attempt += 1
+        attempts = 0
+        blocked_since: float | None = None
+
+        def deliver() -> bool:
+            nonlocal pending, attempts
+            attempts += 1
             outcome = self._attempt(pending, stopping)
             if outcome is None:
                 return False
             written, failures = outcome
             self._count(written)
-            if not failures:
-                if blocked_since is not None:
-                    self.metrics.dead_letter_blocked.set(0)
-                    log.warning("the dead-letter topic %s took the events after %d attempts and %.1fs: consuming "
-                                "%s again", self.topic, attempt, time.monotonic() - blocked_since, self.source_topic)
-                return True
+            if failures:
+                pending = [(event, reason) for event, reason, _error in failures]
+                raise _Unwritten(failures)
+            return True
+
+        def blocked(unwritten: _Unwritten, attempt: int, wait: float) -> None:
+            nonlocal blocked_since
+            failures = unwritten.failures
             codes = Counter(error.name() for _event, _reason, error in failures)
             for code, n in codes.items():
                 self.metrics.dead_letter_failures.labels(code).inc(n)
@@ -137,17 +141,25 @@ class DeadLetterWriter:
             log.error("cannot write %d dead letters to %s (%s): consumption of %s is BLOCKED at partition %d "
                       "offset %d until they are written; attempt %d, retrying in %.1fs", len(failures), self.topic,
                       "; ".join(f"{code} x{n}: {_first_message(failures, code)}" for code, n in codes.items()),
-                      self.source_topic, first.partition, first.offset, attempt, backoff)
+                      self.source_topic, first.partition, first.offset, attempt, wait)
             if self._fatal is not None:
                 log.error("the dead-letter producer failed fatally (%s); starting a new one", self._fatal.str())
                 self._producer.purge()
                 self._producer = self._new_producer()
-            if stopping.wait(backoff):
-                log.error("stopping while %d dead letters are unwritten: their batch is not trained, and the "
-                          "events are read again on the next start", len(failures))
-                return False
-            backoff = min(backoff * 2, self.config.retry_backoff_max_seconds)
-            pending = [(event, reason) for event, reason, _error in failures]
+
+        try:
+            written = retry(deliver, Backoff(initial=self.config.retry_backoff_seconds,
+                                             maximum=self.config.retry_backoff_max_seconds),
+                            retry_on=_Unwritten, on_retry=blocked, stopping=stopping)
+        except _Unwritten as unwritten:  # only a stop ends the retries with events unwritten
+            log.error("stopping while %d dead letters are unwritten: their batch is not trained, and the "
+                      "events are read again on the next start", len(unwritten.failures))
+            return False
+        if written and blocked_since is not None:
+            self.metrics.dead_letter_blocked.set(0)
+            log.warning("the dead-letter topic %s took the events after %d attempts and %.1fs: consuming "
+                        "%s again", self.topic, attempts, time.monotonic() - blocked_since, self.source_topic)
+        return written
 
     def _attempt(self, pending: list[tuple[RawEvent, str]], stopping: threading.Event
                  ) -> tuple[list[tuple[RawEvent, str]], list[tuple[RawEvent, str, KafkaError]]] | None:
@@ -267,8 +279,13 @@ class ErrorRateLimit:
             return False
         return True
 
-    def rate(self) -> float:
-        return self.rejected / self.events if self.events else 0.0
+
+class _Unwritten(Exception):
+    """An attempt left these dead letters unwritten, each with its error."""
+
+    def __init__(self, failures: list[tuple[RawEvent, str, KafkaError]]):
+        super().__init__(f"{len(failures)} dead letters unwritten")
+        self.failures = failures
 
 
 def _describe(reasons: Counter[str]) -> str:

@@ -134,7 +134,6 @@ class AvroBatchDecoder:
 
     def __init__(self, features: FeaturesConfig, schema_source: Any = None):
         self.features = features
-        self.schema_source = schema_source
         self.confluent = features.wire_format == "confluent"
         self.clip = features.non_finite_dense == "clip"
         self.reader = load_schema(features.resolved_schema_path())

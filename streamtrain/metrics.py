@@ -86,10 +86,6 @@ class ProgressiveQuality:
             self.negatives += np.bincount(bins, weights=1 - labels, minlength=self.BINS)
             self.sums += (_log_loss(probabilities, labels).sum(), labels.sum(), probabilities.sum(), labels.size)
 
-    def value(self) -> float:
-        """Windowed AUC."""
-        return self.compute()["window"]["auc"]
-
     def compute(self) -> dict[str, dict[str, float]]:
         with self.lock:
             if not self.scores:

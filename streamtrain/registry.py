@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from pathlib import Path
 from typing import Any, Protocol
 
 from streamtrain.config import FeaturesConfig, SchemaRegistryConfig
+from streamtrain.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
 
@@ -62,28 +62,30 @@ class SchemaRegistry:
     def writer_schema(self, schema_id: int) -> dict[str, Any] | None:
         from confluent_kafka.schema_registry.error import SchemaRegistryError
 
-        deadline = time.monotonic() + self.config.timeout_seconds
-        backoff = 0.5
-        while True:
+        def fetch() -> Any:
             try:
-                schema = self.client.get_schema(schema_id)
-                break
+                return self.client.get_schema(schema_id)
             except SchemaRegistryError as error:
                 if error.http_status_code == 404:
                     log.error("schema id %d is not registered at %s", schema_id, self.config.url)
                     return None
-                failure: Exception = error
-            except Exception as error:  # connection refused, timeouts: the client raises requests/httpx errors
-                failure = error
-            if time.monotonic() + backoff > deadline:
-                raise SchemaSourceUnavailable(
-                    f"schema registry {self.config.url} did not answer for schema id {schema_id} within "
-                    f"{self.config.timeout_seconds:.0f}s: {failure}"
-                ) from failure
+                raise
+
+        def retrying(failure: Exception, _attempt: int, wait: float) -> None:
             log.warning("schema registry %s failed for id %d (%s); retrying in %.1fs",
-                        self.config.url, schema_id, failure, backoff)
-            time.sleep(backoff)
-            backoff = min(backoff * 2, 10.0)
+                        self.config.url, schema_id, failure, wait)
+
+        try:
+            # Connection refused and timeouts come as requests/httpx errors: every error is retried.
+            schema = retry(fetch, Backoff(initial=0.5, maximum=10.0, timeout=self.config.timeout_seconds),
+                           retry_on=Exception, on_retry=retrying)
+        except Exception as failure:
+            raise SchemaSourceUnavailable(
+                f"schema registry {self.config.url} did not answer for schema id {schema_id} within "
+                f"{self.config.timeout_seconds:.0f}s: {failure}"
+            ) from failure
+        if schema is None:
+            return None
         if (schema.schema_type or "AVRO") != "AVRO":
             log.error("schema id %d is %s, not Avro", schema_id, schema.schema_type)
             return None

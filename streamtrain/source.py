@@ -15,6 +15,7 @@ from typing import Callable
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
 from streamtrain.config import KafkaConfig
+from streamtrain.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +78,12 @@ class KafkaSource:
         self.next_offset: dict[int, int] = {}
         self.end_offset: dict[int, int] = {}
         if start_offsets is None:
-            starts = _retrying(lambda: self.consumer.committed(
-                [TopicPartition(self.topic, p) for p in self.partitions], timeout=5), metadata_timeout)
+            starts = retry(lambda: self.consumer.committed(
+                [TopicPartition(self.topic, p) for p in self.partitions], timeout=5),
+                Backoff(initial=0.5, maximum=0.5, timeout=metadata_timeout), retry_on=KafkaException,
+                retriable=_not_ready_yet,
+                on_retry=lambda error, _attempt, _wait: log.info("Kafka is not ready (%s); retrying",
+                                                                 error.args[0].str()))
         else:  # a restored snapshot's positions; a partition it does not know starts at the beginning
             starts = [TopicPartition(self.topic, p, start_offsets.get(p, OFFSET_BEGINNING)) for p in self.partitions]
         assignment = []
@@ -172,19 +177,10 @@ class KafkaSource:
         self.consumer.close()
 
 
-def _retrying(call, timeout: float):
-    """``call()``, retried while Kafka answers with a retriable error (e.g. the group coordinator
-    is still loading) for up to ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return call()
-        except KafkaException as error:
-            kafka_error = error.args[0] if error.args and isinstance(error.args[0], KafkaError) else None
-            retriable = kafka_error is not None and (kafka_error.retriable() or kafka_error.code() in (
-                KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-                KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError._TIMED_OUT))
-            if not retriable or time.monotonic() >= deadline:
-                raise
-            log.info("Kafka is not ready (%s); retrying", kafka_error.str())
-            time.sleep(0.5)
+def _not_ready_yet(error: KafkaException) -> bool:
+    """Whether Kafka answered with an error that passes on a retry, e.g. the group coordinator is
+    still loading."""
+    kafka_error = error.args[0] if error.args else None
+    return isinstance(kafka_error, KafkaError) and (kafka_error.retriable() or kafka_error.code() in (
+        KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+        KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError._TIMED_OUT))
