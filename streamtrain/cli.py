@@ -95,7 +95,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _produce(args: argparse.Namespace) -> int:
-    from streamtrain.produce import produce
+    from streamtrain.dev.produce import produce
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -108,7 +108,7 @@ def _produce(args: argparse.Namespace) -> int:
 
 
 def _dev_kafka(args: argparse.Namespace) -> int:
-    from streamtrain.devkafka import KafkaBroker
+    from streamtrain.dev.kafka import KafkaBroker
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -122,7 +122,7 @@ def _dev_kafka(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from streamtrain.demo import run_demo
+    from streamtrain.dev.demo import run_demo
 
     return run_demo(metrics_port=args.metrics_port, rate=args.rate)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from streamtrain.bench.common import cpu_seconds, scrape  # noqa: F401 (cpu_seconds: for the tests)
-from streamtrain.devkafka import KafkaBroker, free_port
+from streamtrain.dev.kafka import KafkaBroker, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_CONFIG = REPO / "tests" / "worker-small.yaml"

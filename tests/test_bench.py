@@ -145,7 +145,7 @@ def _naive_gradients_rank(rank: int, port: int, out: str) -> None:
 
     from streamtrain.bench.naive import NaiveDLRM, average_sparse_gradients, to_tensors
     from streamtrain.config import load_config
-    from streamtrain.produce import ClickStream
+    from streamtrain.dev.produce import ClickStream
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -175,7 +175,7 @@ def test_naive_loop_averages_the_tables_sparse_gradients_over_ranks(tmp_path):
     import torch
     import torch.multiprocessing as mp
 
-    from streamtrain.devkafka import free_port
+    from streamtrain.dev.kafka import free_port
 
     mp.spawn(_naive_gradients_rank, args=(free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):

@@ -22,7 +22,7 @@ from conftest import REPO, SCHEMA
 from streamtrain.checkpoint import Checkpointer, CheckpointError, StreamState, list_snapshots
 from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
-from streamtrain.produce import AvroEncoder, ClickStream, encoded_events, produce
+from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events, produce
 from streamtrain.source import RawEvent
 from streamtrain.train import Trainer, init_distributed
 from test_worker_kafka import end_offsets

@@ -17,7 +17,7 @@ import yaml
 
 from streamtrain.config import ConfigError, FeaturesConfig, TableConfig, parse_config
 from streamtrain.decode import REASONS, AvroBatchDecoder, FastavroDecoder, fnv1a64, map_ids, splitmix64
-from streamtrain.produce import AvroEncoder
+from streamtrain.dev.produce import AvroEncoder
 from streamtrain.source import RawEvent
 
 REPO = Path(__file__).resolve().parent.parent

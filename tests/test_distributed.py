@@ -12,7 +12,7 @@ import time
 import pytest
 
 from conftest import REPO, SCHEMA, cpu_seconds
-from streamtrain.produce import produce
+from streamtrain.dev.produce import produce
 from test_worker_kafka import committed_offsets, end_offsets
 
 pytestmark = pytest.mark.integration

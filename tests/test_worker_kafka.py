@@ -11,7 +11,7 @@ import pytest
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from conftest import REPO, SCHEMA
-from streamtrain.produce import produce
+from streamtrain.dev.produce import produce
 
 pytestmark = pytest.mark.integration
 

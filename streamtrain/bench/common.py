@@ -63,7 +63,7 @@ def latest(benchmark: str, results: Path = RESULTS) -> dict | None:
 def synthetic_batches(config: "WorkerConfig", count: int, seed: int = 0) -> list["ClickBatch"]:
     """``count`` decoded batches of ``batching.batch_size`` events from the synthetic stream."""
     from streamtrain.decode import AvroBatchDecoder
-    from streamtrain.produce import AvroEncoder, ClickStream, encoded_events
+    from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
     from streamtrain.source import RawEvent
 
     decoder = AvroBatchDecoder(config.features)

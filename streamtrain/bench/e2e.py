@@ -50,8 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
-    from streamtrain.devkafka import KafkaBroker
-    from streamtrain.produce import produce
+    from streamtrain.dev.kafka import KafkaBroker
+    from streamtrain.dev.produce import produce
 
     events = 60_000 if args.quick else args.events
     warm_up = 0.5 if args.quick else args.warm_up
@@ -120,7 +120,7 @@ def worker_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout
 
 def naive_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout: float = 1200.0,
               profile: bool = False) -> dict:
-    from streamtrain.devkafka import free_port
+    from streamtrain.dev.kafka import free_port
 
     with tempfile.TemporaryDirectory(prefix="streamtrain-naive-") as folder:
         record, port, started = Path(folder) / "record", free_port(), time.time()

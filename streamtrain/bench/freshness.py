@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
-    from streamtrain.devkafka import KafkaBroker
-    from streamtrain.produce import produce
+    from streamtrain.dev.kafka import KafkaBroker
+    from streamtrain.dev.produce import produce
 
     max_events, seconds, warm_up = (40_000, 6.0, 2.0) if args.quick else (args.max_events, args.seconds,
                                                                             args.warm_up)
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
 
 def encoded_pool(count: int, seed: int = 5) -> list[tuple[bytes, bytes]]:
     """(key, schemaless Avro body) of ``count`` synthetic events, encoded before any clock starts."""
-    from streamtrain.produce import AvroEncoder, ClickStream, encoded_events
+    from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 
     stream = ClickStream(seed, start_time_ms=int(time.time() * 1000))
     return [(key, value) for key, value, _p, _clk in encoded_events(stream, AvroEncoder(SCHEMA), count)]
@@ -125,7 +125,7 @@ def _send_paced(bootstrap: str, topic: str, pool: list[tuple[bytes, bytes]], rat
 
 def _at_rate(config: Path, bootstrap: str, topic: str, rate: float, seconds: float, warm_up: float,
              pool: list[tuple[bytes, bytes]], broker_pid: int) -> dict:
-    from streamtrain.devkafka import create_topic
+    from streamtrain.dev.kafka import create_topic
 
     create_topic(bootstrap, topic, 4)
     with tempfile.TemporaryDirectory(prefix="streamtrain-fresh-") as folder:

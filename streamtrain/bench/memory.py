@@ -31,8 +31,8 @@ def bench_memory(config_path: Path, seconds: float, backlog_events: int, progres
     import subprocess
     import sys
 
-    from streamtrain.devkafka import KafkaBroker, free_port
-    from streamtrain.produce import produce
+    from streamtrain.dev.kafka import KafkaBroker, free_port
+    from streamtrain.dev.produce import produce
 
     with KafkaBroker() as broker:
         progress(f"writing a backlog of {backlog_events:,} events")

@@ -17,7 +17,7 @@ from streamtrain.config import PACKAGE_ROOT
 
 
 def run_ranks(target: str, kwargs: dict, world_size: int = 2, timeout: float = 600.0) -> list[dict]:
-    from streamtrain.devkafka import free_port
+    from streamtrain.dev.kafka import free_port
 
     with tempfile.TemporaryDirectory(prefix="streamtrain-ranks-") as folder:
         port = free_port()

@@ -12,7 +12,7 @@ import sys
 import yaml
 
 from streamtrain.config import PACKAGE_ROOT, parse_config
-from streamtrain.devkafka import KafkaBroker
+from streamtrain.dev.kafka import KafkaBroker
 from streamtrain.worker import run_worker
 
 log = logging.getLogger(__name__)
