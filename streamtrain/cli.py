@@ -163,6 +163,21 @@ def _bench(args: argparse.Namespace) -> int:
     return bench.main(args.name, args.options)
 
 
+class _BenchHelp(argparse.Action):
+    """Lists the benchmarks only when asked, so that building the parser never imports streamtrain.bench."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        from streamtrain.bench import describe
+
+        parser.description += "\n\n" + describe()
+        parser.print_help()
+        parser.exit()
+
+
 def _step_dir_name(path: Path) -> str | None:
     name = str(path).rstrip("/").rsplit("/", 1)[-1]
     return name if name.startswith("step-") else None
@@ -236,14 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints.add_argument("path", type=str)
     checkpoints.set_defaults(run=_checkpoints)
 
-    from streamtrain.bench import describe as describe_benchmarks
-
     bench = commands.add_parser(
         "bench", help="benchmarks that run a contender beside its baseline and print the ratio",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False,
         description="Each benchmark runs a contender and its baseline in one run on the same data, prints a "
                     "table with their ratio and writes JSON under results/. `streamtrain bench NAME --help` "
-                    "shows a benchmark's options.\n\n" + describe_benchmarks())
+                    "shows a benchmark's options.")
+    bench.add_argument("-h", "--help", action=_BenchHelp, help="show this help, with the benchmarks, and exit")
     bench.add_argument("name", metavar="NAME", help="a benchmark, `all` or `report`")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's options, e.g. --quick")
     bench.set_defaults(run=_bench)

@@ -17,7 +17,8 @@ Adding a benchmark: write ``streamtrain/bench/<name>.py`` with
   ``bench report``;
 
 and list it in ``BENCHMARKS`` below. Keep heavy imports (torch, torchrec) inside functions or in
-the module itself: this file is imported by the command line for every command.
+the module itself: this file is imported by `streamtrain bench` and `bench --help` before any
+benchmark is chosen.
 """
 
 from __future__ import annotations
