@@ -35,6 +35,7 @@ def test_train_step_benchmark_runs_both_paths_and_reports_a_ratio():
     assert row["ratio"] == row["fused_events_per_second"] / row["per_feature_events_per_second"]
 
 
+@pytest.mark.integration  # starts its own broker
 def test_memory_benchmark_samples_the_workers_rss():
     result = subprocess.run([sys.executable, "-m", "streamtrain", "bench", "memory", "--quick", "--config",
                              str(SMALL_CONFIG)], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -51,6 +52,7 @@ def _bench(*args: str, timeout: float = 300) -> dict:
     return json.loads(open(result.stdout.split("results: ")[1].strip()).read())
 
 
+@pytest.mark.integration  # starts its own broker
 def test_e2e_benchmark_trains_the_topic_with_the_worker_the_naive_loop_and_the_limit():
     saved = _bench("e2e", "--quick", "--config", str(SMALL_CONFIG))
     legs = saved["legs"]
@@ -69,6 +71,7 @@ def test_pipeline_benchmark_runs_both_pipelines_on_two_ranks():
     assert saved["ratio"] > 0
 
 
+@pytest.mark.integration  # starts its own broker
 def test_freshness_benchmark_reports_quantiles_at_each_load():
     saved = _bench("freshness", "--quick", "--config", str(SMALL_CONFIG))
     assert saved["max_events_per_second"] > 0
