@@ -11,9 +11,9 @@ import threading
 import warnings
 from pathlib import Path
 
-from streamtrain.config import PACKAGE_ROOT, ConfigError
+from streamtrain.config import PACKAGE_DIR, ConfigError
 
-DEFAULT_SCHEMA = PACKAGE_ROOT / "schemas" / "click_event.avsc"
+DEFAULT_SCHEMA = PACKAGE_DIR / "schemas" / "click_event.avsc"
 
 
 # Messages the pinned torchrec and fbgemm print on every start that ask nothing of the operator.

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Callable
 
 from streamtrain.bench.common import RESULTS, SCHEMA, RunRecord, local_rank_env, machine, rate_text, throughput
-from streamtrain.config import PACKAGE_ROOT
+from streamtrain.dev import CHECKOUT
 
 WORLD_SIZE = 2
 
@@ -94,7 +94,7 @@ def worker_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout
         with open(log_path, "wb") as log:
             worker = subprocess.Popen(
                 [sys.executable, "-m", "streamtrain", "worker", "--config", str(config), "--nproc", str(WORLD_SIZE),
-                 "--until-end"], cwd=PACKAGE_ROOT, env=worker_environment(bootstrap, topic, record, port),
+                 "--until-end"], cwd=CHECKOUT, env=worker_environment(bootstrap, topic, record, port),
                 stdout=subprocess.DEVNULL, stderr=log)
             samplers = []
             try:
@@ -127,7 +127,7 @@ def naive_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout:
         ranks = [subprocess.Popen(
             [sys.executable, "-m", "streamtrain.bench.naive",
              "--config", str(config), "--bootstrap-servers", bootstrap, "--topic", topic, "--record", str(record)],
-            cwd=PACKAGE_ROOT,
+            cwd=CHECKOUT,
             env={**os.environ, **local_rank_env(rank, WORLD_SIZE, port)},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(WORLD_SIZE)]
         outputs, samplers = [], []

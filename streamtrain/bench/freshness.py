@@ -32,7 +32,7 @@ import numpy as np
 from streamtrain.bench.common import (SCHEMA, RunRecord, cdf_points, cpu_seconds, free_port_pair, machine,
                                       quantiles, rate_text, wait_until_ready)
 from streamtrain.bench.e2e import WORLD_SIZE, _children, worker_environment, worker_leg
-from streamtrain.config import PACKAGE_ROOT
+from streamtrain.dev import CHECKOUT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,7 +133,7 @@ def _at_rate(config: Path, bootstrap: str, topic: str, rate: float, seconds: flo
         with open(Path(folder) / "worker.log", "wb") as log:
             worker = subprocess.Popen(
                 [sys.executable, "-m", "streamtrain", "worker", "--config", str(config), "--nproc", str(WORLD_SIZE)],
-                cwd=PACKAGE_ROOT, env=worker_environment(bootstrap, topic, record, port),
+                cwd=CHECKOUT, env=worker_environment(bootstrap, topic, record, port),
                 stdout=subprocess.DEVNULL, stderr=log)
         try:
             for rank in range(WORLD_SIZE):

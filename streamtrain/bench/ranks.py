@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from streamtrain.bench.common import local_rank_env
-from streamtrain.config import PACKAGE_ROOT
+from streamtrain.dev import CHECKOUT
 
 
 def run_ranks(target: str, kwargs: dict, world_size: int = 2, timeout: float = 600.0) -> list[dict]:
@@ -27,7 +27,7 @@ def run_ranks(target: str, kwargs: dict, world_size: int = 2, timeout: float = 6
             processes.append((log, subprocess.Popen(
                 [sys.executable, "-m", "streamtrain.bench.ranks", target, json.dumps(kwargs),
                  str(Path(folder) / f"rank-{rank}.json")],
-                cwd=PACKAGE_ROOT, env={**os.environ, **local_rank_env(rank, world_size, port)},
+                cwd=CHECKOUT, env={**os.environ, **local_rank_env(rank, world_size, port)},
                 stdout=log, stderr=subprocess.STDOUT)))
         deadline = time.monotonic() + timeout
         try:

@@ -22,10 +22,10 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from streamtrain.config import PACKAGE_ROOT
+from streamtrain.dev import CHECKOUT
 
 KAFKA_VERSION = "4.1.1"
-DEFAULT_LIBS = PACKAGE_ROOT / ".cache" / "kafka" / KAFKA_VERSION / "libs"
+DEFAULT_LIBS = CHECKOUT / ".cache" / "kafka" / KAFKA_VERSION / "libs"
 
 _LOG4J2 = """\
 rootLogger.level = INFO
