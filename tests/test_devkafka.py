@@ -50,5 +50,6 @@ def test_the_jvm_dies_with_a_killed_parent():
 
 
 def test_missing_jars_say_how_to_get_them(tmp_path):
-    with pytest.raises(BrokerError, match="make setup"):
+    with pytest.raises(BrokerError, match="make setup") as missing:
         KafkaBroker(libs=tmp_path).start()
+    assert "STREAMTRAIN_KAFKA_LIBS" in str(missing.value)  # the way for an installed package
