@@ -11,9 +11,9 @@ import threading
 import warnings
 from pathlib import Path
 
-from streamtrain.config import PACKAGE_ROOT, ConfigError
+from streamtrain.config import PACKAGE_DIR, ConfigError
 
-DEFAULT_SCHEMA = PACKAGE_ROOT / "schemas" / "click_event.avsc"
+DEFAULT_SCHEMA = PACKAGE_DIR / "schemas" / "click_event.avsc"
 
 
 # Messages the pinned torchrec and fbgemm print on every start that ask nothing of the operator.
@@ -100,7 +100,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _produce(args: argparse.Namespace) -> int:
-    from streamtrain.produce import produce
+    from streamtrain.dev.produce import produce
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -113,7 +113,7 @@ def _produce(args: argparse.Namespace) -> int:
 
 
 def _dev_kafka(args: argparse.Namespace) -> int:
-    from streamtrain.devkafka import KafkaBroker
+    from streamtrain.dev.kafka import KafkaBroker
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -127,7 +127,7 @@ def _dev_kafka(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from streamtrain.demo import run_demo
+    from streamtrain.dev.demo import run_demo
 
     return run_demo(metrics_port=args.metrics_port, rate=args.rate)
 
@@ -166,6 +166,21 @@ def _bench(args: argparse.Namespace) -> int:
     from streamtrain import bench
 
     return bench.main(args.name, args.options)
+
+
+class _BenchHelp(argparse.Action):
+    """Lists the benchmarks only when asked, so that building the parser never imports streamtrain.bench."""
+
+    def __init__(self, option_strings: list[str], dest: str, help: str | None = None):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        from streamtrain.bench import describe
+
+        parser.description += "\n\n" + describe()
+        parser.print_help()
+        parser.exit()
 
 
 def _step_dir_name(path: Path) -> str | None:
@@ -241,14 +256,13 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints.add_argument("path", type=str)
     checkpoints.set_defaults(run=_checkpoints)
 
-    from streamtrain.bench import describe as describe_benchmarks
-
     bench = commands.add_parser(
         "bench", help="benchmarks that run a contender beside its baseline and print the ratio",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False,
         description="Each benchmark runs a contender and its baseline in one run on the same data, prints a "
                     "table with their ratio and writes JSON under results/. `streamtrain bench NAME --help` "
-                    "shows a benchmark's options.\n\n" + describe_benchmarks())
+                    "shows a benchmark's options.")
+    bench.add_argument("-h", "--help", action=_BenchHelp, help="show this help, with the benchmarks, and exit")
     bench.add_argument("name", metavar="NAME", help="a benchmark, `all` or `report`")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's options, e.g. --quick")
     bench.set_defaults(run=_bench)

@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from streamtrain.schema import ID_KINDS, NUMBER_KINDS, field_kind, load_schema
 
 ENV_PREFIX = "STREAMTRAIN_"
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+# Holds schemas/, shipped as package data: configs name the bundled schemas as schemas/<name>.avsc.
+PACKAGE_DIR = Path(__file__).resolve().parent
 
 
 class ConfigError(ValueError):
@@ -158,9 +159,9 @@ class FeaturesConfig(_Strict):
 
 
 def _resolved(path: Path) -> Path:
-    """Paths relative to the working directory, else to the repository (for the bundled schemas)."""
+    """Paths relative to the working directory, else to the package (for the bundled schemas)."""
     path = Path(path)
-    return path if path.is_absolute() or path.exists() else PACKAGE_ROOT / path
+    return path if path.is_absolute() or path.exists() else PACKAGE_DIR / path
 
 
 class ModelConfig(_Strict):

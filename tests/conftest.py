@@ -1,4 +1,5 @@
-"""Shared fixtures: one real Kafka broker per test session, and helpers to run workers against it."""
+"""Shared fixtures and helpers: one real Kafka broker per test session, workers run against it, the
+topic's offsets, and a writer-schema source for the decoder tests."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from confluent_kafka import Consumer, TopicPartition
 
 from streamtrain.bench.common import cpu_seconds, scrape  # noqa: F401 (cpu_seconds: for the tests)
-from streamtrain.devkafka import KafkaBroker, free_port
+from streamtrain.dev.kafka import KafkaBroker, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 SMALL_CONFIG = REPO / "tests" / "worker-small.yaml"
@@ -25,6 +27,34 @@ SCHEMA = REPO / "schemas" / "click_event.avsc"
 def kafka():
     with KafkaBroker() as broker:
         yield broker
+
+
+def end_offsets(kafka: KafkaBroker, topic: str, partitions: int = 4) -> dict[int, int]:
+    consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": "inspector"})
+    try:
+        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+                for p in range(partitions)}
+    finally:
+        consumer.close()
+
+
+def committed_offsets(kafka: KafkaBroker, topic: str, group: str, partitions: int = 4) -> dict[int, int]:
+    consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": group})
+    try:
+        return {tp.partition: tp.offset for tp in consumer.committed(
+            [TopicPartition(topic, p) for p in range(partitions)], timeout=10)}
+    finally:
+        consumer.close()
+
+
+class Schemas:
+    """A schema source from a dict, as tests/test_wire_format.py's registry would answer."""
+
+    def __init__(self, schemas: dict[int, dict]):
+        self.schemas = schemas
+
+    def writer_schema(self, schema_id: int) -> dict | None:
+        return self.schemas.get(schema_id)
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ def test_train_step_benchmark_runs_both_paths_and_reports_a_ratio():
     assert row["ratio"] == row["fused_events_per_second"] / row["per_feature_events_per_second"]
 
 
+@pytest.mark.integration  # starts its own broker
 def test_memory_benchmark_samples_the_workers_rss():
     result = subprocess.run([sys.executable, "-m", "streamtrain", "bench", "memory", "--quick", "--config",
                              str(SMALL_CONFIG)], cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -51,6 +52,7 @@ def _bench(*args: str, timeout: float = 300) -> dict:
     return json.loads(open(result.stdout.split("results: ")[1].strip()).read())
 
 
+@pytest.mark.integration  # starts its own broker
 def test_e2e_benchmark_trains_the_topic_with_the_worker_the_naive_loop_and_the_limit():
     saved = _bench("e2e", "--quick", "--config", str(SMALL_CONFIG))
     legs = saved["legs"]
@@ -69,6 +71,7 @@ def test_pipeline_benchmark_runs_both_pipelines_on_two_ranks():
     assert saved["ratio"] > 0
 
 
+@pytest.mark.integration  # starts its own broker
 def test_freshness_benchmark_reports_quantiles_at_each_load():
     saved = _bench("freshness", "--quick", "--config", str(SMALL_CONFIG))
     assert saved["max_events_per_second"] > 0
@@ -145,7 +148,7 @@ def _naive_gradients_rank(rank: int, port: int, out: str) -> None:
 
     from streamtrain.bench.naive import NaiveDLRM, average_sparse_gradients, to_tensors
     from streamtrain.config import load_config
-    from streamtrain.produce import ClickStream
+    from streamtrain.dev.produce import ClickStream
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -175,7 +178,7 @@ def test_naive_loop_averages_the_tables_sparse_gradients_over_ranks(tmp_path):
     import torch
     import torch.multiprocessing as mp
 
-    from streamtrain.devkafka import free_port
+    from streamtrain.dev.kafka import free_port
 
     mp.spawn(_naive_gradients_rank, args=(free_port(), str(tmp_path)), nprocs=2)
     for rank in range(2):

@@ -18,14 +18,13 @@ import torch
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import REPO, SCHEMA
+from conftest import REPO, SCHEMA, end_offsets
 from streamtrain.checkpoint import Checkpointer, CheckpointError, StreamState, list_snapshots
 from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
-from streamtrain.produce import AvroEncoder, ClickStream, encoded_events, produce
+from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events, produce
 from streamtrain.source import RawEvent
 from streamtrain.train import Trainer, init_distributed
-from test_worker_kafka import end_offsets
 
 PARTITIONS = 4
 
@@ -144,6 +143,7 @@ def rank_steps(ranks) -> str:
     return "/".join(str(int(r.scrape().get("streamtrain_global_step", -1))) for r in ranks)
 
 
+@pytest.mark.integration
 def test_exactly_once_across_random_sigkills(kafka, topic_name, start_ranks, tmp_path):
     root = tmp_path / "snapshots"
     env = {"STREAMTRAIN_CHECKPOINT__PATH": str(root), "STREAMTRAIN_CHECKPOINT__INTERVAL_STEPS": "3",
@@ -192,6 +192,7 @@ def test_exactly_once_across_random_sigkills(kafka, topic_name, start_ranks, tmp
     assert positions == produced
 
 
+@pytest.mark.integration
 def test_graceful_restart_continues_from_the_exact_next_offset(kafka, topic_name, start_ranks, tmp_path):
     root = tmp_path / "snapshots"
     env = {"STREAMTRAIN_CHECKPOINT__PATH": str(root)}
@@ -213,6 +214,7 @@ def test_graceful_restart_continues_from_the_exact_next_offset(kafka, topic_name
     assert {int(p): n for p, n in stream["trained"].items()} == end_offsets(kafka, topic_name)
 
 
+@pytest.mark.integration
 def test_two_rank_snapshot_restores_into_one_rank(kafka, topic_name, start_ranks, start_worker, tmp_path):
     root = tmp_path / "snapshots"
     env = {"STREAMTRAIN_CHECKPOINT__PATH": str(root)}

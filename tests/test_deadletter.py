@@ -19,14 +19,13 @@ import fastavro
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from conftest import REPO
+from conftest import REPO, committed_offsets
 from streamtrain.deadletter import (HEADER_GROUP, HEADER_OFFSET, HEADER_PARTITION, HEADER_REASON, HEADER_TOPIC,
                                     ErrorRateLimit, reason_code)
-from streamtrain.devkafka import create_topic
 from streamtrain.decode import AvroBatchDecoder
-from streamtrain.produce import ClickStream
+from streamtrain.dev.kafka import create_topic
+from streamtrain.dev.produce import ClickStream
 from streamtrain.registry import schema_source
-from test_worker_kafka import committed_offsets
 
 DLQ_CONFIG = REPO / "tests" / "worker-dlq.yaml"
 # The worker reads version 1; version 2 adds a `device` enum, which it skips.

@@ -15,9 +15,10 @@ import pytest
 import torch
 import yaml
 
+from conftest import Schemas
 from streamtrain.config import ConfigError, FeaturesConfig, TableConfig, parse_config
 from streamtrain.decode import REASONS, AvroBatchDecoder, FastavroDecoder, fnv1a64, map_ids, splitmix64
-from streamtrain.produce import AvroEncoder
+from streamtrain.dev.produce import AvroEncoder
 from streamtrain.source import RawEvent
 
 REPO = Path(__file__).resolve().parent.parent
@@ -136,14 +137,6 @@ RICH_FEATURES = {
     "dense": [{"field": "price", "transform": "log1p"}, {"field": "user.id"}],
     "label": "clk", "event_time": "ts",
 }
-
-
-class Schemas:
-    def __init__(self, schemas: dict):
-        self.schemas = schemas
-
-    def writer_schema(self, schema_id: int):
-        return self.schemas.get(schema_id)
 
 
 def rich_features(tmp_path, reader=RICH, **overrides):

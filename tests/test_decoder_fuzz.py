@@ -23,12 +23,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from conftest import Schemas  # noqa: E402
 from streamtrain import avro_program as ap  # noqa: E402
 from streamtrain.config import FeaturesConfig  # noqa: E402
 from streamtrain.decode import REASONS, AvroBatchDecoder, FastavroDecoder  # noqa: E402
-from streamtrain.produce import AvroEncoder, ClickStream  # noqa: E402
+from streamtrain.dev.produce import AvroEncoder, ClickStream  # noqa: E402
 from streamtrain.source import RawEvent  # noqa: E402
-from test_decode import Schemas  # noqa: E402
 
 PAYLOADS = int(os.environ.get("STREAMTRAIN_FUZZ_PAYLOADS", "20000"))
 BATCH = 1000

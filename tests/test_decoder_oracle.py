@@ -15,6 +15,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import Schemas
 from streamtrain.config import FeaturesConfig
 from streamtrain.decode import AvroBatchDecoder, FastavroDecoder
 from streamtrain.source import RawEvent
@@ -26,16 +27,6 @@ TEXT = st.text(string.ascii_letters + "é_0", max_size=6)
 # fastavro reports a record its reader cannot resolve as an error; the compiled path names the
 # union branch or enum symbol at fault. Both reject the event.
 SAME_REJECTION = {"bad_enum_index": "undecodable", "bad_union_index": "undecodable"}
-
-
-class Schemas:
-    """A schema source from a dict, as tests/test_wire_format.py's registry would answer."""
-
-    def __init__(self, schemas: dict[int, dict]):
-        self.schemas = schemas
-
-    def writer_schema(self, schema_id: int) -> dict | None:
-        return self.schemas.get(schema_id)
 
 
 @st.composite

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from streamtrain.devkafka import BrokerError, KafkaBroker
+from streamtrain.dev.kafka import BrokerError, KafkaBroker
 
 pytestmark = pytest.mark.integration
 
@@ -36,7 +36,7 @@ def test_close_leaves_no_jvm_behind():
 def test_the_jvm_dies_with_a_killed_parent():
     owner = subprocess.Popen(
         [sys.executable, "-c",
-         "from streamtrain.devkafka import KafkaBroker; import time; b = KafkaBroker(); b.start(); "
+         "from streamtrain.dev.kafka import KafkaBroker; import time; b = KafkaBroker(); b.start(); "
          "print(b._process.pid, flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True)
     jvm = int(owner.stdout.readline())
@@ -50,5 +50,6 @@ def test_the_jvm_dies_with_a_killed_parent():
 
 
 def test_missing_jars_say_how_to_get_them(tmp_path):
-    with pytest.raises(BrokerError, match="make setup"):
+    with pytest.raises(BrokerError, match="make setup") as missing:
         KafkaBroker(libs=tmp_path).start()
+    assert "STREAMTRAIN_KAFKA_LIBS" in str(missing.value)  # the way for an installed package

@@ -11,9 +11,8 @@ import time
 
 import pytest
 
-from conftest import REPO, SCHEMA, cpu_seconds
-from streamtrain.produce import produce
-from test_worker_kafka import committed_offsets, end_offsets
+from conftest import REPO, SCHEMA, committed_offsets, cpu_seconds, end_offsets
+from streamtrain.dev.produce import produce
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,8 @@ import yaml
 from confluent_kafka import Producer
 
 from conftest import REPO, SCHEMA
-from streamtrain.devkafka import create_topic, free_port
-from streamtrain.produce import produce
+from streamtrain.dev.kafka import create_topic, free_port
+from streamtrain.dev.produce import produce
 
 DEPLOY = REPO / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "streamtrain.json"

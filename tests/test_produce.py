@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streamtrain.produce import AvroEncoder, ClickStream, encoded_events
+from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "click_event.avsc"
 

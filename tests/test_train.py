@@ -8,7 +8,7 @@ import yaml
 
 from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
-from streamtrain.produce import AvroEncoder, ClickStream, encoded_events
+from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 from streamtrain.source import RawEvent
 from streamtrain.train import Trainer, init_distributed
 

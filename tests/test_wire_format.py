@@ -20,7 +20,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 from conftest import SCHEMA, SMALL_CONFIG
 from streamtrain.config import ConfigError, SchemaRegistryConfig, parse_config
 from streamtrain.decode import AvroBatchDecoder
-from streamtrain.produce import AvroEncoder, ClickStream
+from streamtrain.dev.produce import AvroEncoder, ClickStream
 from streamtrain.registry import SchemaDirectory, SchemaRegistry, SchemaSourceUnavailable
 from streamtrain.schema import load_schema
 from streamtrain.source import RawEvent

@@ -8,33 +8,15 @@ import sys
 import time
 
 import pytest
-from confluent_kafka import Consumer, KafkaException, TopicPartition
+from confluent_kafka import KafkaException
 
-from conftest import REPO, SCHEMA
-from streamtrain.produce import produce
+from conftest import REPO, SCHEMA, committed_offsets, end_offsets
+from streamtrain.dev.produce import produce
 
 pytestmark = pytest.mark.integration
 
 EVENTS = 20_000
 PARTITIONS = 4
-
-
-def end_offsets(kafka, topic: str) -> dict[int, int]:
-    consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": "inspector"})
-    try:
-        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-                for p in range(PARTITIONS)}
-    finally:
-        consumer.close()
-
-
-def committed_offsets(kafka, topic: str, group: str, partitions: int = PARTITIONS) -> dict[int, int]:
-    consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": group})
-    try:
-        return {tp.partition: tp.offset for tp in consumer.committed(
-            [TopicPartition(topic, p) for p in range(partitions)], timeout=10)}
-    finally:
-        consumer.close()
 
 
 def test_worker_trains_every_event_and_learns_the_planted_signal(kafka, topic_name, start_worker):

@@ -17,7 +17,8 @@ Adding a benchmark: write ``streamtrain/bench/<name>.py`` with
   ``bench report``;
 
 and list it in ``BENCHMARKS`` below. Keep heavy imports (torch, torchrec) inside functions or in
-the module itself: this file is imported by the command line for every command.
+the module itself: this file is imported by `streamtrain bench` and `bench --help` before any
+benchmark is chosen.
 """
 
 from __future__ import annotations
@@ -63,13 +64,13 @@ def _progress(line: str) -> None:
 
 
 def parser_for(name: str) -> argparse.ArgumentParser:
-    from streamtrain.config import PACKAGE_ROOT
+    from streamtrain.dev import CHECKOUT
 
     if name in BENCHMARKS:
         bench = module(name)
         parser = argparse.ArgumentParser(prog=f"streamtrain bench {name}", description=bench.__doc__,
                                          formatter_class=argparse.RawDescriptionHelpFormatter)
-        parser.add_argument("--config", type=Path, default=PACKAGE_ROOT / "deploy" / "worker.yaml",
+        parser.add_argument("--config", type=Path, default=CHECKOUT / "deploy" / "worker.yaml",
                             help="the worker config whose model is trained (default deploy/worker.yaml)")
         parser.add_argument("--quick", action="store_true",
                             help="a small size, under a minute: proves it runs, judges nothing")

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
 
-from streamtrain.config import PACKAGE_ROOT
+from streamtrain.config import PACKAGE_DIR
+from streamtrain.dev import CHECKOUT
 
 if TYPE_CHECKING:
     from streamtrain.config import WorkerConfig
@@ -22,8 +23,8 @@ if TYPE_CHECKING:
     from streamtrain.train import Trainer
 
 # STREAMTRAIN_BENCH_RESULTS moves them (the tests' quick runs go to a temporary folder)
-RESULTS = Path(os.environ.get("STREAMTRAIN_BENCH_RESULTS") or PACKAGE_ROOT / "results")
-SCHEMA = PACKAGE_ROOT / "schemas" / "click_event.avsc"
+RESULTS = Path(os.environ.get("STREAMTRAIN_BENCH_RESULTS") or CHECKOUT / "results")
+SCHEMA = PACKAGE_DIR / "schemas" / "click_event.avsc"
 
 
 def machine() -> dict:
@@ -63,7 +64,7 @@ def latest(benchmark: str, results: Path = RESULTS) -> dict | None:
 def synthetic_batches(config: "WorkerConfig", count: int, seed: int = 0) -> list["ClickBatch"]:
     """``count`` decoded batches of ``batching.batch_size`` events from the synthetic stream."""
     from streamtrain.decode import AvroBatchDecoder
-    from streamtrain.produce import AvroEncoder, ClickStream, encoded_events
+    from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
     from streamtrain.source import RawEvent
 
     decoder = AvroBatchDecoder(config.features)

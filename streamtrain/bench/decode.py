@@ -49,7 +49,7 @@ def cold_compile_seconds(config_path) -> float:
 def first_decode_seconds(config_path: str) -> float:
     from streamtrain.config import load_config
     from streamtrain.decode import AvroBatchDecoder
-    from streamtrain.produce import AvroEncoder, ClickStream, encoded_events
+    from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
     from streamtrain.source import RawEvent
 
     features = load_config(config_path).features
@@ -68,7 +68,7 @@ def bench_decode(config, events: int, batch_size: int, rounds: int, progress: Ca
 
     from streamtrain import avro_program
     from streamtrain.decode import AvroBatchDecoder, FastavroDecoder
-    from streamtrain.produce import AvroEncoder, ClickStream, encoded_events
+    from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
     from streamtrain.source import RawEvent
 
     torch.set_num_threads(1)

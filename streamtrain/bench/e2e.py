@@ -30,7 +30,7 @@ from typing import Callable
 
 from streamtrain.bench.common import RESULTS, SCHEMA, local_rank_env, machine, rate_text, throughput
 from streamtrain.bench.record import RunRecord
-from streamtrain.config import PACKAGE_ROOT
+from streamtrain.dev import CHECKOUT
 
 WORLD_SIZE = 2
 
@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
-    from streamtrain.devkafka import KafkaBroker
-    from streamtrain.produce import produce
+    from streamtrain.dev.kafka import KafkaBroker
+    from streamtrain.dev.produce import produce
 
     events = 60_000 if args.quick else args.events
     warm_up = 0.5 if args.quick else args.warm_up
@@ -95,7 +95,7 @@ def worker_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout
         with open(log_path, "wb") as log:
             worker = subprocess.Popen(
                 [sys.executable, "-m", "streamtrain", "worker", "--config", str(config), "--nproc", str(WORLD_SIZE),
-                 "--until-end"], cwd=PACKAGE_ROOT, env=worker_environment(bootstrap, topic, record, port),
+                 "--until-end"], cwd=CHECKOUT, env=worker_environment(bootstrap, topic, record, port),
                 stdout=subprocess.DEVNULL, stderr=log)
             samplers = []
             try:
@@ -121,14 +121,14 @@ def worker_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout
 
 def naive_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout: float = 1200.0,
               profile: bool = False) -> dict:
-    from streamtrain.devkafka import free_port
+    from streamtrain.dev.kafka import free_port
 
     with tempfile.TemporaryDirectory(prefix="streamtrain-naive-") as folder:
         record, port, started = Path(folder) / "record", free_port(), time.time()
         ranks = [subprocess.Popen(
             [sys.executable, "-m", "streamtrain.bench.naive",
              "--config", str(config), "--bootstrap-servers", bootstrap, "--topic", topic, "--record", str(record)],
-            cwd=PACKAGE_ROOT,
+            cwd=CHECKOUT,
             env={**os.environ, **local_rank_env(rank, WORLD_SIZE, port)},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(WORLD_SIZE)]
         outputs, samplers = [], []

@@ -33,7 +33,7 @@ from streamtrain.bench.common import (SCHEMA, cdf_points, cpu_seconds, free_port
                                       wait_until_ready)
 from streamtrain.bench.e2e import WORLD_SIZE, _children, worker_environment, worker_leg
 from streamtrain.bench.record import RunRecord
-from streamtrain.config import PACKAGE_ROOT
+from streamtrain.dev import CHECKOUT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
-    from streamtrain.devkafka import KafkaBroker
-    from streamtrain.produce import produce
+    from streamtrain.dev.kafka import KafkaBroker
+    from streamtrain.dev.produce import produce
 
     max_events, seconds, warm_up = (40_000, 6.0, 2.0) if args.quick else (args.max_events, args.seconds,
                                                                             args.warm_up)
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
 
 def encoded_pool(count: int, seed: int = 5) -> list[tuple[bytes, bytes]]:
     """(key, schemaless Avro body) of ``count`` synthetic events, encoded before any clock starts."""
-    from streamtrain.produce import AvroEncoder, ClickStream, encoded_events
+    from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 
     stream = ClickStream(seed, start_time_ms=int(time.time() * 1000))
     return [(key, value) for key, value, _p, _clk in encoded_events(stream, AvroEncoder(SCHEMA), count)]
@@ -126,7 +126,7 @@ def _send_paced(bootstrap: str, topic: str, pool: list[tuple[bytes, bytes]], rat
 
 def _at_rate(config: Path, bootstrap: str, topic: str, rate: float, seconds: float, warm_up: float,
              pool: list[tuple[bytes, bytes]], broker_pid: int) -> dict:
-    from streamtrain.devkafka import create_topic
+    from streamtrain.dev.kafka import create_topic
 
     create_topic(bootstrap, topic, 4)
     with tempfile.TemporaryDirectory(prefix="streamtrain-fresh-") as folder:
@@ -134,7 +134,7 @@ def _at_rate(config: Path, bootstrap: str, topic: str, rate: float, seconds: flo
         with open(Path(folder) / "worker.log", "wb") as log:
             worker = subprocess.Popen(
                 [sys.executable, "-m", "streamtrain", "worker", "--config", str(config), "--nproc", str(WORLD_SIZE)],
-                cwd=PACKAGE_ROOT, env=worker_environment(bootstrap, topic, record, port),
+                cwd=CHECKOUT, env=worker_environment(bootstrap, topic, record, port),
                 stdout=subprocess.DEVNULL, stderr=log)
         try:
             for rank in range(WORLD_SIZE):

@@ -8,8 +8,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from streamtrain.bench.common import machine, rss_bytes, wait_until_training
-from streamtrain.config import PACKAGE_ROOT
+from streamtrain.bench.common import SCHEMA, machine, rss_bytes, wait_until_training
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,13 +30,12 @@ def bench_memory(config_path: Path, seconds: float, backlog_events: int, progres
     import subprocess
     import sys
 
-    from streamtrain.devkafka import KafkaBroker, free_port
-    from streamtrain.produce import produce
+    from streamtrain.dev.kafka import KafkaBroker, free_port
+    from streamtrain.dev.produce import produce
 
     with KafkaBroker() as broker:
         progress(f"writing a backlog of {backlog_events:,} events")
-        produce(broker.bootstrap_servers, "memory", backlog_events, partitions=4, seed=7,
-                schema_path=PACKAGE_ROOT / "schemas" / "click_event.avsc")
+        produce(broker.bootstrap_servers, "memory", backlog_events, partitions=4, seed=7, schema_path=SCHEMA)
         environ = {**os.environ, "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": broker.bootstrap_servers,
                    "STREAMTRAIN_KAFKA__TOPIC": "memory", "STREAMTRAIN_METRICS__PORT": str(free_port())}
         worker = subprocess.Popen([sys.executable, "-m", "streamtrain", "worker", "--config", str(config_path)],

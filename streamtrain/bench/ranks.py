@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 from streamtrain.bench.common import local_rank_env
-from streamtrain.config import PACKAGE_ROOT
+from streamtrain.dev import CHECKOUT
 
 
 def run_ranks(target: str, kwargs: dict, world_size: int = 2, timeout: float = 600.0) -> list[dict]:
-    from streamtrain.devkafka import free_port
+    from streamtrain.dev.kafka import free_port
 
     with tempfile.TemporaryDirectory(prefix="streamtrain-ranks-") as folder:
         port = free_port()
@@ -27,7 +27,7 @@ def run_ranks(target: str, kwargs: dict, world_size: int = 2, timeout: float = 6
             processes.append((log, subprocess.Popen(
                 [sys.executable, "-m", "streamtrain.bench.ranks", target, json.dumps(kwargs),
                  str(Path(folder) / f"rank-{rank}.json")],
-                cwd=PACKAGE_ROOT, env={**os.environ, **local_rank_env(rank, world_size, port)},
+                cwd=CHECKOUT, env={**os.environ, **local_rank_env(rank, world_size, port)},
                 stdout=log, stderr=subprocess.STDOUT)))
         deadline = time.monotonic() + timeout
         try:

@@ -10,14 +10,14 @@ from pathlib import Path
 
 from streamtrain.bench import BENCHMARKS, module
 from streamtrain.bench.common import RESULTS, describe_machine, latest
-from streamtrain.config import PACKAGE_ROOT
+from streamtrain.dev import CHECKOUT
 
 START, END = "<!-- bench-report:start -->", "<!-- bench-report:end -->"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", type=Path, default=RESULTS, help="where the JSON results are (default results/)")
-    parser.add_argument("--out", type=Path, default=PACKAGE_ROOT / "docs" / "bench",
+    parser.add_argument("--out", type=Path, default=CHECKOUT / "docs" / "bench",
                         help="where report.md and the PNGs go (default docs/bench/)")
     parser.add_argument("--readme", type=Path, default=None,
                         help=f"also replace the text between {START} and {END} in this file (e.g. README.md)")
@@ -100,7 +100,7 @@ def plots(results: dict[str, dict], out: Path) -> list[Path]:
 
 
 def report(results_dir: Path = RESULTS, out: Path | None = None, readme: Path | None = None) -> str:
-    out = out or PACKAGE_ROOT / "docs" / "bench"
+    out = out or CHECKOUT / "docs" / "bench"
     out.mkdir(parents=True, exist_ok=True)
     order = ["e2e", "freshness", "pipeline"] + [name for name in BENCHMARKS if name not in ("e2e", "freshness",
                                                                                           "pipeline")]

@@ -11,8 +11,9 @@ import sys
 
 import yaml
 
-from streamtrain.config import PACKAGE_ROOT, parse_config
-from streamtrain.devkafka import KafkaBroker
+from streamtrain.config import parse_config
+from streamtrain.dev import CHECKOUT
+from streamtrain.dev.kafka import KafkaBroker
 from streamtrain.worker import run_worker
 
 log = logging.getLogger(__name__)
@@ -33,8 +34,8 @@ def run_demo(metrics_port: int = 9100, rate: float = 20_000) -> int:
         # A backlog first, so the worker shows its full speed, then a live stream at ``rate``.
         script = (f"{_quote(produce)} --count {BACKLOG_EVENTS} --seed 1 && "
                   f"exec {_quote(produce)} --count {LIVE_EVENTS} --rate {rate} --seed 2")
-        producer = subprocess.Popen(["bash", "-c", script], cwd=PACKAGE_ROOT, start_new_session=True)
-        raw = yaml.safe_load((PACKAGE_ROOT / "deploy" / "worker.yaml").read_text())
+        producer = subprocess.Popen(["bash", "-c", script], cwd=CHECKOUT, start_new_session=True)
+        raw = yaml.safe_load((CHECKOUT / "deploy" / "worker.yaml").read_text())
         raw["kafka"]["bootstrap_servers"] = broker.bootstrap_servers
         raw["metrics"]["port"] = metrics_port
         config = parse_config(raw)

@@ -196,7 +196,7 @@ def produce(bootstrap_servers: str, topic: str, count: int, *, partitions: int =
     """
     from confluent_kafka import Producer
 
-    from streamtrain.devkafka import create_topic
+    from streamtrain.dev.kafka import create_topic
 
     create_topic(bootstrap_servers, topic, partitions)
     producer = Producer({

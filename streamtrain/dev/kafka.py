@@ -1,8 +1,9 @@
 """A throwaway single-node Apache Kafka broker (KRaft) for tests, benchmarks and the demo.
 
-It runs the real broker from the jars that ``make setup`` copies out of Maven Central, on
-127.0.0.1 and free ports, with a fresh log dir. The JVM dies with its parent: it is stopped on
-``close()``, at interpreter exit, and by the kernel (PR_SET_PDEATHSIG) if the parent is killed.
+It runs the real broker from the jars that ``make setup`` copies out of Maven Central into the
+checkout's .cache/, or from the folder STREAMTRAIN_KAFKA_LIBS names (an installed package has no
+.cache/), on 127.0.0.1 and free ports, with a fresh log dir. The JVM dies with its parent: it is
+stopped on ``close()``, at interpreter exit, and by the kernel (PR_SET_PDEATHSIG) if the parent is killed.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from pathlib import Path
 
 from confluent_kafka.admin import AdminClient, NewTopic
 
-from streamtrain.config import PACKAGE_ROOT
+from streamtrain.dev import CHECKOUT
 
 KAFKA_VERSION = "4.1.1"
-DEFAULT_LIBS = PACKAGE_ROOT / ".cache" / "kafka" / KAFKA_VERSION / "libs"
+DEFAULT_LIBS = CHECKOUT / ".cache" / "kafka" / KAFKA_VERSION / "libs"
 
 _LOG4J2 = """\
 rootLogger.level = INFO
@@ -85,7 +86,10 @@ class KafkaBroker:
 
     def start(self) -> None:
         if not any(self.libs.glob("kafka_2.13-*.jar")):
-            raise BrokerError(f"no Kafka jars in {self.libs}; run `make setup` (it fetches them with mvn)")
+            raise BrokerError(
+                f"no Kafka jars in {self.libs}: in a checkout, run `make setup` (it fetches them with mvn); "
+                f"elsewhere, set STREAMTRAIN_KAFKA_LIBS to a folder holding Kafka {KAFKA_VERSION}'s broker jars "
+                f"(`mvn -f deploy/kafka/pom.xml package -Dlibs.dir=FOLDER` fetches them there)")
         (self.workdir / "log4j2.properties").write_text(_LOG4J2.format(log=self.log_path))
         properties = self.workdir / "server.properties"
         properties.write_text("\n".join([
