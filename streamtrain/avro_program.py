@@ -14,9 +14,12 @@ code naming the reason; the interpreter never raises.
 
 Resolution follows Avro's rules: fields matched by name, added reader fields take their default,
 removed writer fields are skipped, int->long/float/double, long->float/double, float->double and
-string<->bytes promote, unions pick the first reader branch that matches the writer's. Anything
-else (recursive types, aliases, features under maps or arrays of records, ...) raises
-``Unsupported`` and the caller falls back to fastavro.
+string<->bytes promote, unions pick the first reader branch that matches the writer's. A writer's
+null that the reader cannot hold, where a feature or the label is read, is read as a null: no
+value. A writer those rules cannot resolve (double -> float, a reader field without a default the
+writer lacks, ...) raises ``Unresolvable``: no path can decode its events. Anything else
+(recursive types, aliases, features under maps or arrays of records, ...) raises ``Unsupported``
+and the caller falls back to fastavro.
 """
 
 from __future__ import annotations
@@ -40,12 +43,12 @@ from numba import njit
 REASONS = (
     "empty_payload", "truncated", "trailing_bytes", "bad_varint", "bad_length", "bad_union_index",
     "bad_enum_index", "bad_magic_byte", "unknown_schema_id", "missing_label", "non_finite_dense",
-    "undecodable", "bad_label",
+    "undecodable", "bad_label", "bad_writer_schema",
 )
 OK = 0
 (EMPTY_PAYLOAD, TRUNCATED, TRAILING_BYTES, BAD_VARINT, BAD_LENGTH, BAD_UNION_INDEX, BAD_ENUM_INDEX,
  BAD_MAGIC_BYTE, UNKNOWN_SCHEMA_ID, MISSING_LABEL, NON_FINITE_DENSE, UNDECODABLE,
- BAD_LABEL) = range(1, len(REASONS) + 1)
+ BAD_LABEL, BAD_WRITER_SCHEMA) = range(1, len(REASONS) + 1)
 # Not a reason: an event the interpreter must leave alone (its schema is decoded by fastavro).
 NOT_MINE = 127
 
@@ -91,6 +94,10 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 class Unsupported(Exception):
     """The schemas use something the program compiler does not handle; decode with fastavro."""
+
+
+class Unresolvable(Exception):
+    """Avro's rules cannot resolve the writer schema to the reader: fastavro cannot read its events either."""
 
 
 @lru_cache(maxsize=65536)
@@ -221,18 +228,17 @@ class _Compiler:
         w, r = self.deref(w, self.writer_names), self.deref(r, self.reader_names)
         wt, rt = _type(w), _type(r)
         if wt == "union":
-            branches = [(b, self.first_match(b, r) if rt == "union" else (r if self.matches(b, r) else None))
-                        for b in w]
+            branches = [(b, self.union_branch(b, r, rt, path)) for b in w]
             self.branches(branches, lambda b, rb: self.resolve(b, rb, path))
             return
         if rt == "union":
             match = self.first_match(w, r)
             if match is None:
-                raise Unsupported(f"{'.'.join(path) or 'record'}: writer type {wt} matches no reader branch")
+                raise Unresolvable(f"{'.'.join(path) or 'record'}: writer type {wt} matches no reader branch")
             self.resolve(w, match, path)
             return
         if not self.matches(w, r):
-            raise Unsupported(f"{'.'.join(path) or 'record'}: writer {wt} cannot be read as {rt}")
+            raise Unresolvable(f"{'.'.join(path) or 'record'}: writer {wt} cannot be read as {rt}")
         if path in self.plan.sinks and wt in ("record", "error", "array", "map", "fixed") and \
                 not (wt == "array" and _type(self.deref(r["items"], self.reader_names)) in _PRIMITIVES | {"enum"}):
             raise Unsupported(f"{'.'.join(path)}: a {wt} cannot be a feature")
@@ -250,7 +256,7 @@ class _Compiler:
                         else self.resolve(w["values"], r["values"], path + ("*",)))
         elif wt == "fixed":
             if w["size"] != r["size"]:
-                raise Unsupported("fixed sizes differ")
+                raise Unresolvable(f"{'.'.join(path) or 'record'}: fixed sizes differ")
             self.emit(SKIP_FIXED, w["size"])
         elif wt == "null":
             pass
@@ -272,6 +278,13 @@ class _Compiler:
         else:
             raise Unsupported(f"type {wt}")
         self.sinks(path, rt)
+
+    def union_branch(self, w: Any, r: Any, rt: str, path: tuple[str, ...]) -> Any:
+        """The reader type a writer union branch is read as; None: the reader cannot read it."""
+        match = self.first_match(w, r) if rt == "union" else (r if self.matches(w, r) else None)
+        if match is None and w == "null" and path in self.plan.sinks:
+            return "null"  # a missing label or feature, not a broken payload
+        return match
 
     def first_match(self, w: Any, branches: list) -> Any:
         return next((b for b in branches if self.matches(w, b)), None)
@@ -332,7 +345,7 @@ class _Compiler:
         for name, f in reader_fields.items():
             if name not in written:
                 if "default" not in f:
-                    raise Unsupported(f"reader field {'.'.join(path + (name,))} has no default")
+                    raise Unresolvable(f"reader field {'.'.join(path + (name,))} has no default")
                 self.pending_note = f"{'.'.join(path + (name,))}: not written, the reader's default"
                 self.default(f["type"], f["default"], path + (name,))
         self.expanding.pop()
@@ -403,7 +416,7 @@ def compile_program(writer: dict, reader: dict, plan: FeaturePlan) -> Program:
     """The program that decodes bodies written with ``writer`` as ``reader`` into the plan's sinks."""
     try:
         return _Compiler(writer, reader, plan).compile()
-    except Unsupported:
+    except (Unsupported, Unresolvable):
         raise
     except Exception as error:  # a schema fastavro refuses, or of a shape the compiler does not expect
         raise Unsupported(f"{type(error).__name__}: {error}") from error

@@ -8,7 +8,7 @@ compiled from the writer schema, the reader schema and the feature config (``avr
 contiguous buffer plus offsets in; per-table rows and lengths, dense features, labels, event times
 and a status per event out; no Python object per event. A writer schema the program compiler does
 not support is decoded by ``FastavroDecoder`` (fastavro plus a Python loop; also the benchmark's
-baseline), with a log line. Both paths give the same columns for the same bytes.
+baseline), with a log line. Both paths give the same columns, and the same reasons, for the same bytes.
 
 Ids reach their tables by a documented, stable mapping (``map_ids``), identical in both paths:
   - integers, ``modulo``: ``id mod num_embeddings`` with floor semantics, so -1 -> n-1;
@@ -19,11 +19,17 @@ Ids reach their tables by a documented, stable mapping (``map_ids``), identical 
 Dense features, labels: the number as float64, the transform applied, then float32. A null dense
 value is 0.0; a null label rejects the event, and so does one outside [0, 1] (NaN included): the
 loss is binary cross-entropy, and one such target would turn the model's weights to NaN. Event time: timestamp-millis (or a plain long) as
-is, timestamp-micros floor-divided by 1000; null is 0.
+is, timestamp-micros floor-divided by 1000; null is 0. A writer's null where the reader's type has
+none (e.g. a nullable label the reader declares an int) is such a null too.
 
 Every rejected payload gets one of ``REASONS``. Decode errors come first, then trailing bytes,
 then a missing label, a label outside [0, 1], then non-finite dense values. ``features.non_finite_dense: clip`` keeps
 such events instead: NaN becomes 0, +-inf (and finite values past float32's range) +-float32 max.
+Whole writer schemas fail too: an id the source does not know is ``unknown_schema_id``; a schema
+that is not valid Avro (not JSON, not a schema) is ``bad_writer_schema``; one Avro's rules cannot
+resolve to the reader makes its events ``undecodable``. Each is logged once per id, as an ERROR.
+A reason that says more than its code is ``"code: detail"`` (the detail names the schema id and
+why, or fastavro's error), and the dead letter carries it.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -43,6 +50,7 @@ from torchrec.streamable import Pipelineable
 from streamtrain import avro_program as ap
 from streamtrain.avro_program import REASONS, fnv1a64
 from streamtrain.config import FeaturesConfig, TableConfig
+from streamtrain.registry import BadWriterSchema
 from streamtrain.schema import field_schema, load_schema, without_logical_types
 from streamtrain.source import RawEvent
 
@@ -141,31 +149,40 @@ class AvroBatchDecoder:
         self.fallback = FastavroDecoder(features, schema_source)
         self.keys = [t.name for t in features.tables]
         self.code = np.zeros(0, np.int64)  # every program built so far, one after another
-        # schema id (None in raw mode) -> its program's start in self.code, or _FALLBACK, _UNKNOWN
+        # schema id (None in raw mode) -> its program's start in self.code, or one of _STATUS
         self.entries: dict[int | None, int] = {}
+        self.failures: dict[int | None, str] = {}  # schema id -> why its events are rejected, for the detail
         self.programs: dict[int | None, ap.Program] = {}
         if not self.confluent:
             self._entry(None)
 
     def _entry(self, schema_id: int | None) -> int:
-        if schema_id in self.entries:
-            return self.entries[schema_id]
-        writer = self.reader if schema_id is None else self.fallback.writer_schema(schema_id)
-        if writer is None:
-            log.error("schema id %s is unknown: its events are rejected as unknown_schema_id", schema_id)
-            entry = _UNKNOWN
-        else:
-            try:
-                program = ap.compile_program(writer, self.reader, self.plan)
-            except ap.Unsupported as why:
-                log.warning("writer schema %s cannot be compiled (%s): decoding its events with fastavro, "
-                            "which is several times slower", "(raw)" if schema_id is None else schema_id, why)
-                entry = _FALLBACK
-            else:
-                self.programs[schema_id] = program
-                entry = len(self.code)
-                self.code = np.concatenate((self.code, program.code))
-        self.entries[schema_id] = entry
+        if schema_id not in self.entries:
+            self.entries[schema_id] = self._build(schema_id)
+        return self.entries[schema_id]
+
+    def _build(self, schema_id: int | None) -> int:
+        name = "(raw)" if schema_id is None else schema_id
+        try:
+            writer = self.reader if schema_id is None else self.fallback.writer_schema(schema_id)
+            if writer is None:
+                log.error("schema id %s is unknown: its events are rejected as unknown_schema_id", schema_id)
+                return _UNKNOWN
+            program = ap.compile_program(writer, self.reader, self.plan)
+        except BadWriterSchema as why:  # the fallback, which asked the source, logged it
+            self.failures[schema_id] = str(why)
+            return _BAD
+        except ap.Unresolvable as why:
+            log.error("events of writer schema %s will be dead-lettered: %s", name, why)
+            self.failures[schema_id] = f"writer schema {name} cannot be resolved to the reader: {why}"
+            return _UNRESOLVABLE
+        except ap.Unsupported as why:
+            log.warning("writer schema %s cannot be compiled (%s): decoding its events with fastavro, "
+                        "which is several times slower", name, why)
+            return _FALLBACK
+        self.programs[schema_id] = program
+        entry = len(self.code)
+        self.code = np.concatenate((self.code, program.code))
         return entry
 
     def describe(self, schema_id: int | None = None) -> str:
@@ -183,11 +200,15 @@ class AvroBatchDecoder:
         status = np.where(sizes == 0, ap.EMPTY_PAYLOAD, ap.OK).astype(np.int8)
         entry = np.full(n, -1, dtype=np.int64)
         schema_ids = np.full(n, -1, dtype=np.int64)
+        details: dict[int, str] = {}  # event -> the detail of its reason
         if self.confluent:
             ap.parse_frames(buf, starts, ends, status, schema_ids)
             framed = status == ap.OK
             for schema_id in np.unique(schema_ids[framed]).tolist():
-                self._assign(self._entry(schema_id), framed & (schema_ids == schema_id), entry, status)
+                mine = framed & (schema_ids == schema_id)
+                self._assign(self._entry(schema_id), mine, entry, status)
+                if schema_id in self.failures:
+                    details.update(dict.fromkeys(np.flatnonzero(mine).tolist(), self.failures[schema_id]))
         else:
             self._assign(self._entry(None), status == ap.OK, entry, status)
         lengths = np.zeros((tables, n), dtype=np.int32)
@@ -200,18 +221,18 @@ class AvroBatchDecoder:
         if slow.size:
             rows, row_table, first, stop = self._decode_slowly(
                 slow, payloads, schema_ids, (status, lengths, dense, labels, times),
-                (rows, row_table, first, stop))
+                (rows, row_table, first, stop), details)
         values = ap.gather_rows(rows, row_table, first, stop, status, lengths)
-        return _result(events, self.keys, status, lengths, dense, labels, times, values)
+        return _result(events, self.keys, status, lengths, dense, labels, times, values, details)
 
     @staticmethod
     def _assign(program: int, events: np.ndarray, entry: np.ndarray, status: np.ndarray) -> None:
         if program >= 0:
             entry[events] = program
         else:
-            status[events] = ap.UNKNOWN_SCHEMA_ID if program == _UNKNOWN else ap.NOT_MINE
+            status[events] = _STATUS[program]
 
-    def _decode_slowly(self, slow, payloads, schema_ids, columns, event_rows):
+    def _decode_slowly(self, slow, payloads, schema_ids, columns, event_rows, details):
         """fastavro for the events whose schema has no program; their rows join the others'."""
         status, lengths, dense, labels, times = columns
         bodies = [payloads[i][5:] if self.confluent else payloads[i] for i in slow.tolist()]
@@ -219,6 +240,7 @@ class AvroBatchDecoder:
         part = self.fallback.columns(bodies, writers)
         status[slow], lengths[:, slow], dense[slow], labels[slow], times[slow] = \
             part.status, part.lengths, part.dense, part.labels, part.times
+        details.update({int(slow[i]): detail for i, detail in part.details.items()})
         # Back to event-major rows, the slow events' after the compiled ones.
         rows, row_table, first, stop = event_rows
         owner = np.concatenate([np.repeat(slow, part.lengths[t]) for t in range(len(part.values))])
@@ -232,7 +254,10 @@ class AvroBatchDecoder:
         return (np.concatenate((rows, values[order])), np.concatenate((row_table, tags[order])), first, stop)
 
 
-_FALLBACK, _UNKNOWN = -2, -3
+_FALLBACK, _UNKNOWN, _BAD, _UNRESOLVABLE = -2, -3, -4, -5
+# What the events of a writer schema without a program get: NOT_MINE leaves them to fastavro.
+_STATUS = {_FALLBACK: ap.NOT_MINE, _UNKNOWN: ap.UNKNOWN_SCHEMA_ID, _BAD: ap.BAD_WRITER_SCHEMA,
+           _UNRESOLVABLE: ap.UNDECODABLE}
 
 
 def feature_plan(features: FeaturesConfig, reader: dict) -> ap.FeaturePlan:
@@ -265,6 +290,7 @@ class _Columns:
     labels: np.ndarray  # float32 [n]
     times: np.ndarray  # int64 [n]
     values: list[np.ndarray]  # per table, the rows of the decoded events in event order
+    details: dict[int, str]  # event -> the detail of its reason, where there is one
 
 
 class FastavroDecoder:
@@ -272,7 +298,10 @@ class FastavroDecoder:
     for writer schemas the compiler does not support, and the benchmark's baseline.
 
     Strings are read as bytes (the wire format is the same) so that ids hash the bytes exactly as
-    the compiled path does, valid UTF-8 or not.
+    the compiled path does, valid UTF-8 or not. fastavro is laxer than the compiled path about the
+    wire format, so ``_WireCheck`` checks each payload first, as the interpreter does; and the
+    reader's feature and label fields are made nullable, so that a writer's null there is no value
+    (as in the compiled path) rather than a resolution error.
     """
 
     def __init__(self, features: FeaturesConfig, schema_source: Any = None):
@@ -281,7 +310,6 @@ class FastavroDecoder:
         self.confluent = features.wire_format == "confluent"
         self.clip = features.non_finite_dense == "clip"
         reader = load_schema(features.resolved_schema_path())
-        self.reader = fastavro.parse_schema(_strings_as_bytes(without_logical_types(reader)))
         self.keys = [t.name for t in features.tables]
         self.paths = {
             "tables": [tuple(t.field.split(".")) for t in features.tables],
@@ -289,32 +317,46 @@ class FastavroDecoder:
             "label": tuple(features.label.split(".")),
             "time": tuple(features.event_time.split(".")),
         }
+        sinks = {tuple(path.split(".")) for path in (*(t.field for t in features.tables),
+                                                     *(d.field for d in features.dense), features.label,
+                                                     features.event_time)}
+        self.reader = fastavro.parse_schema(_strings_as_bytes(without_logical_types(_nullable_at(reader, sinks))))
         self.divisor = _time_divisor(reader, features.event_time)
         self.symbols = [_enum_index(field_schema(reader, t.field)) for t in features.tables]
-        self.sources: dict[int, dict | None] = {}
-        self.writers: dict[int | None, Any] = {None: None}
+        self.sources: dict[int, dict | BadWriterSchema | None] = {}
+        # schema id (None: raw bodies, written with the reader schema) -> (writer, reader for fastavro, its checks)
+        self.writers: dict[int | None, tuple[Any, Any, _WireCheck]] = {
+            None: (fastavro.parse_schema(_strings_as_bytes(without_logical_types(reader))), None, _WireCheck(reader))}
 
     def writer_schema(self, schema_id: int) -> dict | None:
-        """The schema source's answer for ``schema_id``, asked once."""
+        """The schema source's answer for ``schema_id``, asked once (None: an unknown id). Raises
+        ``BadWriterSchema``, each time, if it is not a valid Avro schema; logs that once."""
         if schema_id not in self.sources:
-            self.sources[schema_id] = self.schema_source.writer_schema(schema_id)
-        return self.sources[schema_id]
-
-    def _writer(self, schema_id: int | None) -> Any:
-        """The parsed writer schema (None: the reader's own); raises again for one that is not Avro."""
-        if schema_id not in self.writers:
+            answer: dict | BadWriterSchema | None
             try:
-                self.writers[schema_id] = fastavro.parse_schema(
-                    _strings_as_bytes(without_logical_types(self.writer_schema(schema_id))))
-            except Exception as error:  # fastavro's SchemaParseException, or a schema of the wrong shape
-                log.error("writer schema %s is not valid Avro (%s): its events are undecodable", schema_id, error)
-                self.writers[schema_id] = error
-        if isinstance(self.writers[schema_id], Exception):
-            raise self.writers[schema_id]
-        return self.writers[schema_id]
+                answer = self.schema_source.writer_schema(schema_id)
+                if answer is not None:
+                    self.writers[schema_id] = self._parsed(answer)
+            except BadWriterSchema as why:
+                log.error("writer schema %s is broken: %s; its events are dead-lettered as bad_writer_schema",
+                          schema_id, why)
+                answer = BadWriterSchema(f"writer schema {schema_id}: {why}")
+            self.sources[schema_id] = answer
+        answer = self.sources[schema_id]
+        if isinstance(answer, BadWriterSchema):
+            raise answer
+        return answer
+
+    def _parsed(self, writer: Any) -> tuple[Any, Any, _WireCheck]:
+        try:
+            return (fastavro.parse_schema(_strings_as_bytes(without_logical_types(writer))), self.reader,
+                    _WireCheck(writer))
+        except Exception as error:  # fastavro's SchemaParseException, UnknownType, or JSON of the wrong shape
+            raise BadWriterSchema(f"not a valid Avro schema: {type(error).__name__}: {error}") from error
 
     def decode(self, events: list[RawEvent]) -> DecodeResult:
         bodies, writers, early = [], [], np.zeros(len(events), np.int8)
+        details: dict[int, str] = {}
         for i, event in enumerate(events):
             payload = event.value or b""
             schema_id = None
@@ -325,14 +367,19 @@ class FastavroDecoder:
                     early[i] = ap.BAD_MAGIC_BYTE
                 else:
                     schema_id = int.from_bytes(payload[1:5], "big")
-                    if self.writer_schema(schema_id) is None:
-                        early[i] = ap.UNKNOWN_SCHEMA_ID
+                    try:
+                        if self.writer_schema(schema_id) is None:
+                            early[i] = ap.UNKNOWN_SCHEMA_ID
+                    except BadWriterSchema as why:
+                        early[i] = ap.BAD_WRITER_SCHEMA
+                        details[i] = str(why)
                     payload = payload[5:]
             bodies.append(payload)
             writers.append(schema_id)
         part = self.columns(bodies, writers, early)
         values = np.concatenate(part.values) if part.values else np.zeros(0, np.int64)
-        return _result(events, self.keys, part.status, part.lengths, part.dense, part.labels, part.times, values)
+        return _result(events, self.keys, part.status, part.lengths, part.dense, part.labels, part.times, values,
+                       {**details, **part.details})
 
     def columns(self, bodies: list[bytes], writers: list[int | None], early: np.ndarray | None = None) -> _Columns:
         """The columns of Avro ``bodies``, each written with the writer schema of its id (None:
@@ -340,6 +387,7 @@ class FastavroDecoder:
         features, paths = self.features, self.paths
         n = len(bodies)
         status = np.zeros(n, np.int8) if early is None else early.copy()
+        details: dict[int, str] = {}
         ids: list[list[Any]] = [[] for _ in features.tables]
         lengths = np.zeros((len(features.tables), n), dtype=np.int32)
         dense = np.zeros((n, len(features.dense)), dtype=np.float32)
@@ -350,18 +398,17 @@ class FastavroDecoder:
             for i, body in enumerate(bodies):
                 if status[i]:
                     continue
-                buffer = io.BytesIO(body)
+                if writers[i] is not None:
+                    self.writer_schema(writers[i])  # asks the source, once
+                writer, reader, check = self.writers[writers[i]]
+                status[i] = check.status(body)
+                if status[i]:
+                    continue
                 try:
-                    writer = self._writer(writers[i])
-                    record = fastavro.schemaless_reader(buffer, writer or self.reader, self.reader if writer else None)
-                except EOFError:
-                    status[i] = ap.TRUNCATED
-                    continue
-                except Exception:  # fastavro raises ValueError, IndexError, SchemaResolutionError, ...
+                    record = fastavro.schemaless_reader(io.BytesIO(body), writer, reader)
+                except Exception as error:  # a branch or symbol the reader cannot read: SchemaResolutionError
                     status[i] = ap.UNDECODABLE
-                    continue
-                if buffer.tell() != len(body):
-                    status[i] = ap.TRAILING_BYTES
+                    details[i] = f"{type(error).__name__}: {error}"
                     continue
                 label = _get(record, paths["label"])
                 if label is None:
@@ -387,11 +434,11 @@ class FastavroDecoder:
                 times[i] = 0 if time is None else int(time) // self.divisor
         values = [map_ids(_as_id_array(table_ids, symbols), table)
                   for table_ids, table, symbols in zip(ids, features.tables, self.symbols)]
-        return _Columns(status, lengths, dense, labels, times, values)
+        return _Columns(status, lengths, dense, labels, times, values, details)
 
 
 def _result(events: list[RawEvent], keys: list[str], status: np.ndarray, lengths: np.ndarray, dense: np.ndarray,
-            labels: np.ndarray, times: np.ndarray, values: np.ndarray) -> DecodeResult:
+            labels: np.ndarray, times: np.ndarray, values: np.ndarray, details: dict[int, str]) -> DecodeResult:
     kept = status == ap.OK
     count = int(kept.sum())
     everything = count == len(events)
@@ -408,7 +455,8 @@ def _result(events: list[RawEvent], keys: list[str], status: np.ndarray, lengths
         spans=_spans(events, kept),
         global_batch_size=count,
     )
-    rejected = [(events[i], REASONS[status[i] - 1]) for i in np.flatnonzero(~kept).tolist()]
+    rejected = [(events[i], REASONS[status[i] - 1] + (f": {details[i]}" if i in details else ""))
+                for i in np.flatnonzero(~kept).tolist()]
     return DecodeResult(batch, rejected)
 
 
@@ -479,3 +527,165 @@ def _strings_as_bytes(schema: Any) -> Any:
         return {k: (v if k in ("default", "symbols", "name", "namespace", "doc", "aliases") else _strings_as_bytes(v))
                 for k, v in schema.items()}
     return "bytes" if schema == "string" else schema
+
+
+def _nullable_at(record: dict, paths: set[tuple[str, ...]], prefix: tuple[str, ...] = ()) -> dict:
+    """The record schema with the fields at ``paths`` (and in records on the way) also taking null,
+    as the last branch, so that a default stays valid."""
+    fields = []
+    for f in record["fields"]:
+        path, avro_type = prefix + (f["name"],), f["type"]
+        if path in paths and not (isinstance(avro_type, list) and "null" in avro_type):
+            avro_type = avro_type + ["null"] if isinstance(avro_type, list) else [avro_type, "null"]
+        elif isinstance(avro_type, dict) and avro_type.get("type") == "record":
+            avro_type = _nullable_at(avro_type, paths, path)
+        fields.append({**f, "type": avro_type})
+    return {**record, "fields": fields}
+
+
+class _Fault(Exception):
+    def __init__(self, status: int):
+        self.status = status
+
+
+class _Cursor:
+    """A body being checked: the interpreter's reads, each raising ``_Fault`` with its status."""
+
+    __slots__ = ("body", "empty_items", "end", "pos")
+
+    def __init__(self, body: bytes):
+        self.body, self.pos, self.end, self.empty_items = body, 0, len(body), 0
+
+    def varint(self) -> int:
+        body, pos, result, shift = self.body, self.pos, 0, 0
+        for _ in range(10):
+            if pos >= self.end:
+                raise _Fault(ap.TRUNCATED)
+            byte = body[pos]
+            pos += 1
+            result |= (byte & 0x7F) << shift
+            if byte < 0x80:
+                self.pos = pos
+                result &= 0xFFFFFFFFFFFFFFFF
+                return (result >> 1) ^ -(result & 1)
+            shift += 7
+        raise _Fault(ap.BAD_VARINT)
+
+    def length(self) -> int:
+        n = self.varint()
+        if n < 0:
+            raise _Fault(ap.BAD_LENGTH)
+        return n
+
+    def too_long(self, n: int) -> _Fault:
+        return _Fault(ap.BAD_LENGTH if n > self.end else ap.TRUNCATED)
+
+    def skip(self, size: int) -> None:
+        if self.end - self.pos < size:
+            raise _Fault(ap.TRUNCATED)
+        self.pos += size
+
+    def bytes(self) -> None:
+        n = self.length()
+        if n > self.end - self.pos:
+            raise self.too_long(n)
+        self.pos += n
+
+    def index(self, count: int, fault: int) -> int:
+        i = self.varint()
+        if not 0 <= i < count:
+            raise _Fault(fault)
+        return i
+
+    def blocks(self, minimum: int, item: Callable[[_Cursor], object], keyed: bool) -> None:
+        while True:
+            items = self.varint()
+            if items < 0:  # then the block's size in bytes
+                items = -items
+                self.length()
+                if items >= 1 << 63:
+                    raise _Fault(ap.BAD_LENGTH)
+            if items == 0:
+                return
+            if minimum > 0 and items > (self.end - self.pos) // minimum:
+                raise self.too_long(items)
+            if minimum == 0:
+                self.empty_items += items
+                if self.empty_items > ap.MAX_EMPTY_ITEMS:
+                    raise _Fault(ap.BAD_LENGTH)
+            for _ in range(items):
+                if keyed:
+                    self.bytes()
+                item(self)
+
+
+class _WireCheck:
+    """The interpreter's checks of a writer schema's wire format, for the payloads fastavro decodes:
+    fastavro reads varints of any length, negative union and enum indexes (Python's list[-1]) and
+    negative lengths, and fails late or on other grounds on huge ones. ``status(body)`` is the
+    compiled path's reason for the first fault, with its limits (0: none). What depends on the
+    reader (a branch or symbol it cannot read) is left to fastavro."""
+
+    def __init__(self, writer: Any):
+        self.names: dict[str, Any] = {}
+        self.named: dict[str, Callable[[_Cursor], object]] = {}
+        self.check = self._node(fastavro.parse_schema(writer, named_schemas=self.names, _write_hint=False))
+
+    def status(self, body: bytes) -> int:
+        cursor = _Cursor(body)
+        try:
+            self.check(cursor)
+        except _Fault as fault:
+            return fault.status
+        except RecursionError:  # a recursive type nested deeper than Python's stack
+            return ap.UNDECODABLE
+        return ap.TRAILING_BYTES if cursor.pos != cursor.end else ap.OK
+
+    def _node(self, schema: Any) -> Callable[[_Cursor], object]:
+        if isinstance(schema, list):
+            branches = [self._node(b) for b in schema]
+            return lambda c: branches[c.index(len(branches), ap.BAD_UNION_INDEX)](c)
+        if isinstance(schema, str) and schema in self.names:  # a named type, by name, maybe inside itself
+            return lambda c: self.named[schema](c)
+        kind = schema["type"] if isinstance(schema, dict) else schema
+        check: Callable[[_Cursor], object]
+        if kind in ("record", "error"):
+            fields: list[Callable[[_Cursor], object]] = []
+
+            def check(c: _Cursor) -> None:
+                for field_check in fields:
+                    field_check(c)
+
+            self.named[schema["name"]] = check
+            fields.extend(self._node(f["type"]) for f in schema["fields"])
+        elif kind == "enum":
+            symbols = len(schema["symbols"])
+            check = self.named[schema["name"]] = lambda c: c.index(symbols, ap.BAD_ENUM_INDEX)
+        elif kind == "fixed":
+            size = schema["size"]
+            check = self.named[schema["name"]] = lambda c: c.skip(size)
+        elif kind in ("array", "map"):
+            item = schema["items"] if kind == "array" else schema["values"]
+            minimum, item_check, keyed = self._min_bytes(item, ()) + (kind == "map"), self._node(item), kind == "map"
+            check = lambda c: c.blocks(minimum, item_check, keyed)  # noqa: E731
+        else:
+            check = _PRIMITIVE_CHECKS[kind]
+        return check
+
+    def _min_bytes(self, schema: Any, expanding: tuple[str, ...]) -> int:
+        """As the compiler counts them; a type inside itself counts 0."""
+        if isinstance(schema, str) and schema in self.names:
+            if schema in expanding:
+                return 0
+            expanding, schema = expanding + (schema,), self.names[schema]
+        kind = "union" if isinstance(schema, list) else schema["type"] if isinstance(schema, dict) else schema
+        if kind in ("record", "error"):
+            return sum(self._min_bytes(f["type"], expanding + (schema["name"],)) for f in schema["fields"])
+        return {"null": 0, "float": 4, "double": 8}.get(kind, schema["size"] if kind == "fixed" else 1)
+
+
+_PRIMITIVE_CHECKS: dict[str, Callable[[_Cursor], object]] = {
+    "null": lambda c: None, "boolean": lambda c: c.skip(1), "int": _Cursor.varint, "long": _Cursor.varint,
+    "float": lambda c: c.skip(4), "double": lambda c: c.skip(8),
+    "string": _Cursor.bytes, "bytes": _Cursor.bytes,
+}

@@ -7,8 +7,9 @@ meets once, and resolves it against the worker's reader schema. Two sources exis
   - ``SchemaDirectory``: ``<dir>/<id>.avsc`` files, for air-gapped or pinned deployments;
   - ``SchemaRegistry``: a Confluent Schema Registry, through confluent-kafka's client.
 
-Both answer None for an id that does not exist (its events go to the dead-letter topic), and a
-registry that cannot be reached is retried, never taken to mean "unknown": that would send good
+Both answer None for an id that does not exist (its events go to the dead-letter topic), and raise
+``BadWriterSchema`` for an answer that is not JSON (its events go there too, as bad_writer_schema).
+A registry that cannot be reached is retried, never taken to mean "unknown": that would send good
 events to the dead-letter topic during a registry outage.
 """
 
@@ -29,9 +30,14 @@ class SchemaSourceUnavailable(RuntimeError):
     """The schema source could not answer within its timeout; the worker stops rather than guess."""
 
 
+class BadWriterSchema(ValueError):
+    """The writer schema of an id is not a valid Avro schema; the message says where it came from and why."""
+
+
 class SchemaSource(Protocol):
     def writer_schema(self, schema_id: int) -> dict[str, Any] | None:
-        """The parsed Avro schema registered under ``schema_id``, or None if there is none."""
+        """The parsed JSON of the Avro schema registered under ``schema_id``, or None if there is none;
+        raises ``BadWriterSchema`` if that is not JSON."""
 
 
 class SchemaDirectory:
@@ -47,7 +53,7 @@ class SchemaDirectory:
         if not file.exists():
             log.error("no writer schema %s in %s", file.name, self.path)
             return None
-        return json.loads(file.read_text())
+        return _parsed(file.read_bytes(), f"{file}")
 
 
 class SchemaRegistry:
@@ -93,7 +99,14 @@ class SchemaRegistry:
             # Named types from other subjects would have to be fetched and inlined; not supported yet.
             log.error("schema id %d uses schema references, which streamtrain does not resolve", schema_id)
             return None
-        return json.loads(schema.schema_str)
+        return _parsed(schema.schema_str, f"schema id {schema_id} at {self.config.url}")
+
+
+def _parsed(text: str | bytes, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError as error:  # JSONDecodeError, or bytes that are not UTF-8
+        raise BadWriterSchema(f"{where} is not JSON: {error}") from error
 
 
 def schema_source(features: FeaturesConfig) -> SchemaSource | None:

@@ -20,8 +20,9 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from conftest import REPO, committed_offsets
-from streamtrain.deadletter import (HEADER_GROUP, HEADER_OFFSET, HEADER_PARTITION, HEADER_REASON, HEADER_TOPIC,
-                                    ErrorRateLimit, reason_code)
+from streamtrain.deadletter import (HEADER_DETAIL, HEADER_GROUP, HEADER_OFFSET, HEADER_PARTITION, HEADER_REASON,
+                                    HEADER_TOPIC, ErrorRateLimit, reason_code)
+from streamtrain.dev.kafka import create_topic
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.dev.kafka import create_topic
 from streamtrain.dev.produce import ClickStream
@@ -474,3 +475,53 @@ def test_with_dead_letters_disabled_bad_events_are_logged_counted_and_skipped(ka
     worker.signal(signal.SIGTERM)
     assert worker.wait(timeout=30) == 0
     assert committed_offsets(kafka, topic_name, f"group-{topic_name}", 1) == {0: len(valid) + 1}
+
+
+@pytest.mark.integration
+def test_bad_writer_schema_and_unresolvable_writer_events_are_dead_lettered_with_why(kafka, topic_name, start_worker,
+                                                                                     tmp_path):
+    """A broken <id>.avsc and a writer the reader cannot resolve do not stop the worker: their events
+    go to the dead-letter topic with the reason and a detail naming the schema id and why."""
+    for name in ("1.avsc", "2.avsc"):
+        (tmp_path / name).write_text((REPO / "tests" / "writer-schemas" / name).read_text())
+    (tmp_path / "3.avsc").write_text('{"type": "record", "fields": [')
+    doubles = {**SCHEMA, "fields": [{**f, "type": "double"} if f["name"] == "price" else f for f in SCHEMA["fields"]]}
+    (tmp_path / "4.avsc").write_text(json.dumps(doubles))
+    dlq = topic_name + ".dlq"
+    create_topic(kafka.bootstrap_servers, dlq, 1)
+    valid = valid_messages(300, seed=15)
+    records = ClickStream(seed=16).chunk(6).records
+    bad = [Sent(b"bad-%d" % i, framed(_encode(r)[5:], schema_id=3), BASE_TIME_MS + i, [], "bad_writer_schema")
+           for i, r in enumerate(records[:3])]
+    bad += [Sent(b"bad-%d" % i, framed(avro_fields(r, FIELDS, doubles), schema_id=4), BASE_TIME_MS + i, [],
+                 "undecodable") for i, r in enumerate(records[3:], 3)]
+    placed = send(kafka, topic_name, 1, valid[:100] + bad[::2] + valid[100:200] + bad[1::2] + valid[200:])
+
+    worker = start_worker(topic_name, config=DLQ_CONFIG, env={
+        **dlq_env(dlq), "STREAMTRAIN_FEATURES__WRITER_SCHEMAS_DIR": str(tmp_path)})
+    worker.wait_for(lambda: worker.total("streamtrain_events_trained_total") >= len(valid)
+                    and worker.total("streamtrain_dead_letter_events_total") >= len(bad),
+                    timeout=120, what="every valid event trained and every bad one dead-lettered")
+    samples = worker.scrape()
+    assert worker.total("streamtrain_events_trained_total", samples) == len(valid)
+    assert samples['streamtrain_dead_letter_events_total{reason="bad_writer_schema"}'] == 3
+    assert samples['streamtrain_dead_letter_events_total{reason="undecodable"}'] == 3
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
+    output = worker.output()
+    assert output.count("writer schema 3 is broken") == 1, "one ERROR line per id"
+    assert output.count("events of writer schema 4 will be dead-lettered: price: writer double cannot be read "
+                        "as float") == 1
+
+    letters = read_all(kafka, dlq, 1)
+    assert len(letters) == len(bad)
+    for letter in letters:
+        headers = dict(letter.headers())
+        source = placed[(0, int(headers[HEADER_OFFSET]))]
+        assert headers[HEADER_REASON] == source.reason.encode() and letter.value() == source.value
+        detail = headers[HEADER_DETAIL].decode()
+        if source.reason == "bad_writer_schema":
+            assert detail.startswith(f"bad_writer_schema: writer schema 3: {tmp_path / '3.avsc'} is not JSON"), detail
+        else:
+            assert detail == ("undecodable: writer schema 4 cannot be resolved to the reader: "
+                              "price: writer double cannot be read as float")

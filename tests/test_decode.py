@@ -304,3 +304,59 @@ def test_ids_map_the_same_in_both_paths(tmp_path):
         compiled = AvroBatchDecoder(features).decode(payloads).batch.sparse_features.values()
         fallback = FastavroDecoder(features).decode(payloads).batch.sparse_features.values()
         assert compiled.tolist() == fallback.tolist() == map_ids(np.array(extremes), features.tables[0]).tolist()
+
+
+def reference_writer(**field_types) -> dict:
+    schema = json.loads(SCHEMA.read_text())
+    for f in schema["fields"]:
+        f["type"] = field_types.get(f["name"], f["type"])
+    return schema
+
+
+def both_paths(features, source=None) -> list[AvroBatchDecoder | FastavroDecoder]:
+    return [AvroBatchDecoder(features, source), FastavroDecoder(features, source)]
+
+
+# Payloads the two paths once gave different reasons, kept as found (hex).
+# A raw body of the reference schema whose brand union index is past its two branches; fastavro
+# called it undecodable.
+UNION_INDEX_PAST_BRAND = bytes.fromhex(
+    "0000000001c2b2f2bedd6690b569e0c61b948f01e0c71be2ce19029ae112a00108020804020208163433303534385f31303037048a10b29b01"
+    "006acc05420000")
+# Framed with writer schema 5, the reference schema with clk ["null", "int"]; clk is null. The
+# compiled path called it bad_union_index (the reader's clk is an int).
+NULL_LABEL_OF_WRITER_5 = bytes.fromhex(
+    "0000000005b4e08a90dc66a8ef51b4d22090a001aca61da0e0060282ad1b940112020006060004163433303533395f3130303710da21bc68"
+    "fe78d47cd4c001c49b019c9f019c0200a69452410000")
+
+
+def test_regression_payloads_get_the_same_reason_on_both_paths(decoder, tmp_path):
+    for path in both_paths(decoder.features):
+        assert [r for _, r in path.decode(events_of([UNION_INDEX_PAST_BRAND])).rejected] == ["bad_union_index"]
+    features = FeaturesConfig.model_validate({**decoder.features.model_dump(), "wire_format": "confluent",
+                                              "writer_schemas_dir": str(tmp_path)})
+    nullable_label = Schemas({5: reference_writer(clk=["null", "int"])})
+    for path in both_paths(features, nullable_label):
+        assert [r for _, r in path.decode(events_of([NULL_LABEL_OF_WRITER_5])).rejected] == ["missing_label"]
+        # and a label there trains
+        record = event(clk=1)
+        assert path.decode(events_of([b"\x00\x00\x00\x00\x05" + encode(nullable_label.schemas[5], record)])
+                           ).batch.labels.tolist() == [1.0]
+
+
+def test_an_unresolvable_writer_schema_is_dead_lettered_with_why(decoder, tmp_path, caplog):
+    features = FeaturesConfig.model_validate({**decoder.features.model_dump(), "wire_format": "confluent",
+                                              "writer_schemas_dir": str(tmp_path)})
+    doubles = reference_writer(price="double")  # Avro promotes float to double, never back
+    source = Schemas({6: doubles})
+    payloads = events_of([b"\x00\x00\x00\x00\x06" + encode(doubles, event())] * 2)
+    compiled = AvroBatchDecoder(features, source)
+    with caplog.at_level(logging.INFO, logger="streamtrain.decode"):
+        rejected = [r for _, r in compiled.decode(payloads).rejected]
+        compiled.decode(payloads)
+    assert rejected == ["undecodable: writer schema 6 cannot be resolved to the reader: "
+                        "price: writer double cannot be read as float"] * 2
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["events of writer schema 6 will be dead-lettered: price: writer double cannot be read as float"]
+    fallback = FastavroDecoder(features, source).decode(payloads).rejected
+    assert [r.split(":")[0] for _, r in fallback] == ["undecodable"] * 2

@@ -1,7 +1,7 @@
 """Safety fuzzing: random and mutated payloads (bit flips, truncations, huge lengths, random
 bytes) never crash the decoder, never make it read outside a payload, never hang it, and every
-bad payload is reported with a reason. What the compiled decoder accepts, fastavro decodes to the
-same columns.
+bad payload is reported with a reason: the same reason on the fastavro path. What the compiled
+decoder accepts, fastavro decodes to the same columns.
 
 CI runs a short fuzz; ``STREAMTRAIN_FUZZ_PAYLOADS=100000`` runs a long one.
 """
@@ -26,15 +26,13 @@ sys.path.insert(0, str(REPO))
 from conftest import Schemas  # noqa: E402
 from streamtrain import avro_program as ap  # noqa: E402
 from streamtrain.config import FeaturesConfig  # noqa: E402
+from streamtrain.deadletter import reason_code  # noqa: E402
 from streamtrain.decode import REASONS, AvroBatchDecoder, FastavroDecoder  # noqa: E402
 from streamtrain.dev.produce import AvroEncoder, ClickStream  # noqa: E402
 from streamtrain.source import RawEvent  # noqa: E402
 
 PAYLOADS = int(os.environ.get("STREAMTRAIN_FUZZ_PAYLOADS", "20000"))
 BATCH = 1000
-# Where fastavro is laxer than the compiled path: it reads varints of any length, negative union
-# indexes (Python's list[-1]), and block counts it cannot hold only fail later, if at all.
-STRICTER = {"bad_varint", "bad_union_index", "bad_length", "bad_enum_index"}
 
 RICH_READER = {"type": "record", "name": "Rich", "fields": [
     {"name": "clk", "type": ["null", "int"]},
@@ -173,16 +171,14 @@ def check_batch(compiled, oracle, events) -> dict[str, int]:
     elapsed = time.perf_counter() - started
     assert elapsed < 5.0, f"a batch of {len(events)} took {elapsed:.1f}s"
     expected = oracle.decode(events)
-    reasons = {e.offset: r for e, r in got.rejected}
-    oracle_reasons = {e.offset: r for e, r in expected.rejected}
+    reasons = {e.offset: reason_code(r) for e, r in got.rejected}
+    oracle_reasons = {e.offset: reason_code(r) for e, r in expected.rejected}
     assert set(reasons.values()) <= set(REASONS)
     assert got.batch.size + len(got.rejected) == len(events)
-    for offset, reason in reasons.items():
-        if offset not in oracle_reasons:
-            assert reason in STRICTER, (offset, reason, events[offset].value)
+    differ = [(o, reasons.get(o), oracle_reasons.get(o), events[o].value.hex())
+              for o in reasons.keys() | oracle_reasons.keys() if reasons.get(o) != oracle_reasons.get(o)]
+    assert not differ, f"{len(differ)} payloads get another reason from fastavro, e.g. {differ[:3]}"
     accepted = [e.offset for e in events if e.offset not in reasons]
-    assert all(offset not in oracle_reasons for offset in accepted), \
-        [(o, oracle_reasons[o], events[o].value) for o in accepted if o in oracle_reasons][:3]
     # The events both accept decode to the same columns.
     both = [e for e in events if e.offset not in reasons and e.offset not in oracle_reasons]
     if len(both) != len(accepted) or len(both) != expected.batch.size:
@@ -204,7 +200,7 @@ def check_batch(compiled, oracle, events) -> dict[str, int]:
     return counts
 
 
-def test_random_and_mutated_payloads_are_decoded_or_rejected_with_a_reason(tmp_path):
+def test_random_and_mutated_payloads_are_decoded_or_rejected_with_the_same_reason_by_both_paths(tmp_path):
     started = time.perf_counter()
     click_payloads, rich_payloads = fuzz_payloads(PAYLOADS, seed=PAYLOADS)
     totals: dict[str, int] = {}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -19,7 +20,7 @@ from confluent_kafka.serialization import MessageField, SerializationContext
 
 from conftest import SCHEMA, SMALL_CONFIG
 from streamtrain.config import ConfigError, SchemaRegistryConfig, parse_config
-from streamtrain.decode import AvroBatchDecoder
+from streamtrain.decode import AvroBatchDecoder, FastavroDecoder
 from streamtrain.dev.produce import AvroEncoder, ClickStream
 from streamtrain.registry import SchemaDirectory, SchemaRegistry, SchemaSourceUnavailable
 from streamtrain.schema import load_schema
@@ -131,6 +132,50 @@ def test_writer_schemas_from_a_directory(tmp_path):
     decoder = AvroBatchDecoder(small_features(wire_format="confluent", writer_schemas_dir=str(tmp_path)), source)
     result = decoder.decode(events([p for p, _ in pairs]))
     assert result.rejected == [] and result.batch.size == 8
+
+
+def bad_writer_schema_reasons(decoder, payloads: list[bytes]) -> list[tuple[int, str]]:
+    return [(e.offset, reason) for e, reason in decoder.decode(events(payloads)).rejected]
+
+
+def test_a_bad_writer_schema_file_dead_letters_its_events_as_bad_writer_schema(tmp_path, caplog):
+    registry = SchemaRegistryClient.new_client({"url": "mock://bad-file"})
+    good = serialized_events(registry, "clicks", 1)[0][0]
+    good_id = int.from_bytes(good[1:5], "big")
+    (tmp_path / f"{good_id}.avsc").write_text(registry.get_schema(good_id).schema_str)
+    (tmp_path / "13.avsc").write_text('{"type": "record", "name": "Cut", "fields": [')  # not JSON
+    (tmp_path / "14.avsc").write_text(json.dumps({"type": "record", "name": "X", "fields": [
+        {"name": "clk", "type": "nosuch"}]}))  # JSON, not Avro
+    payloads = [good, b"\x00\x00\x00\x00\x0d" + good[5:], b"\x00\x00\x00\x00\x0e" + good[5:]] * 2
+    features = small_features(wire_format="confluent", writer_schemas_dir=str(tmp_path))
+    for decoder in (AvroBatchDecoder(features, SchemaDirectory(tmp_path)),
+                    FastavroDecoder(features, SchemaDirectory(tmp_path))):
+        caplog.clear()
+        with caplog.at_level(logging.ERROR):
+            rejected = bad_writer_schema_reasons(decoder, payloads)
+            assert bad_writer_schema_reasons(decoder, payloads) == rejected  # and again, from the cache
+        assert [(o, r.split(":")[0]) for o, r in rejected] == [
+            (1, "bad_writer_schema"), (2, "bad_writer_schema"), (4, "bad_writer_schema"), (5, "bad_writer_schema")]
+        assert rejected[0][1].startswith(f"bad_writer_schema: writer schema 13: {tmp_path / '13.avsc'} is not JSON")
+        assert rejected[1][1].startswith("bad_writer_schema: writer schema 14: not a valid Avro schema: UnknownType")
+        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 2 and "writer schema 13 is broken" in errors[0] and "14" in errors[1], errors
+
+
+def test_a_registry_answer_that_is_not_a_schema_is_a_bad_writer_schema(http_registry, caplog):
+    _Registry.schemas.update({8: "{not json", 9: json.dumps({"type": "nosuch"})})
+    features = small_features(wire_format="confluent", schema_registry={"url": http_registry})
+    source = SchemaRegistry(SchemaRegistryConfig(url=http_registry, timeout_seconds=20,
+                                                 client_config={"max.retries": 0}))
+    body = serialized_events(SchemaRegistryClient.new_client({"url": "mock://bad-answer"}), "clicks", 2)[1][0][5:]
+    payloads = [b"\x00\x00\x00\x00\x07" + body, b"\x00\x00\x00\x00\x08" + body, b"\x00\x00\x00\x00\x09" + body]
+    decoder = AvroBatchDecoder(features, source)
+    with caplog.at_level(logging.ERROR):
+        rejected = bad_writer_schema_reasons(decoder, payloads)
+    assert [(o, r.split(":")[0]) for o, r in rejected] == [(1, "bad_writer_schema"), (2, "bad_writer_schema")]
+    assert f"writer schema 8: schema id 8 at {http_registry} is not JSON" in rejected[0][1]
+    assert "writer schema 9: not a valid Avro schema" in rejected[1][1]
+    assert _Registry.requests == 3, "each id asked once"
 
 
 def test_wire_format_config_names_the_missing_source():
