@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
@@ -500,7 +501,7 @@ class Checkpointer:
             stream, error = None, None
             try:
                 stream = self._load(snapshot.path, bool(differences), parts)
-            except Exception as load_error:
+            except (Exception, CheckpointException) as load_error:  # DCP's is a BaseException
                 error = load_error
             if self._all_ok(error is None):
                 return snapshot, stream

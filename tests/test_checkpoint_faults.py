@@ -299,6 +299,7 @@ def _save_then_restore(rank: int, port: int, root: str, rank1_view: str, out: st
     trainer = Trainer(config, env)
     group = dist.new_group(backend="gloo")
     saver = Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, rank, 2, group)
+    trainer.optimizer.init_state()  # as after a worker's first step: the fused state is lazy
     for step in (1, 2):
         assert saver.save(StreamState(step=step, next_offsets={rank: step}, trained={rank: step})) is not None
     dist.barrier()
