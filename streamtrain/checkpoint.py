@@ -5,8 +5,9 @@ updates of exactly the batches whose positions it records. It is written asynchr
 (``dcp.async_save`` on a gloo group of its own, one save in flight) under
 ``step-<N>.partial/``; once every rank's writes are done, rank 0 adds ``streamtrain.json`` and
 renames the folder to ``step-<N>``, then points ``latest`` at it. Restoring loads the newest
-snapshot that verifies, skipping partial or damaged ones with a warning, and the consumer starts
-from the positions in it, never from the consumer group's committed offsets.
+snapshot that every rank verifies and loads, skipping partial or damaged ones with a warning, and
+the consumer starts from the positions in it, never from the consumer group's committed offsets.
+A snapshot that fails to write is counted and removed, and the next trigger tries again.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from streamtrain.config import CheckpointConfig, WorkerConfig
-from streamtrain.schema import load_schema
+from streamtrain.schema import field_kind, load_schema
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import FsspecReader, FsspecWriter
@@ -42,10 +44,18 @@ MARKER = "streamtrain.json"
 _ASYNC_MODES = {"thread": AsyncCheckpointerType.THREAD, "process": AsyncCheckpointerType.PROCESS}
 PARTIAL = ".partial"
 FORMAT_VERSION = 1
+# Version 1 hashed whole config sections; version 2 lists what shapes the tensors (see below).
+FINGERPRINT_VERSION = 2
+# The worker's exit code once checkpoint.max_consecutive_failures snapshots in a row failed.
+EXIT_SNAPSHOTS_FAILING = 4
 
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class SnapshotsFailing(CheckpointError):
+    """Too many snapshots in a row failed: every rank raises it at the same step, and exits."""
 
 
 @dataclass
@@ -76,9 +86,59 @@ class StreamState:
                            max(self.event_time_high_water_ms, other.event_time_high_water_ms))
 
 
-def compatibility_fingerprint(config: WorkerConfig) -> dict[str, str]:
-    """What must match for a snapshot's tensors to mean the same thing in this worker: the
-    feature and model config, and the Avro types of the fields the features read."""
+def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
+    """What must match for a snapshot's tensors to fit this worker and mean the same thing here.
+
+    The shapes: each table's rows, dim and pooling, the number of dense features, the layer
+    sizes, and the sparse optimizer (its state's shape). Beyond shape, which id each table row
+    holds: the table's field, that field's Avro kind (strings are always hashed) and the id
+    mapping. A table restored under another mapping has the right shape and silently wrong rows,
+    so a changed mapping is refused like a changed shape (``--allow-partial-restore`` overrides).
+    The table order is kept too: it orders the interaction features the over arch reads.
+
+    Left out, because a snapshot stays right across them: the wire format, the registry and
+    credentials, sharding constraints (DCP reshards), batch size, learning rates, metrics.
+    """
+    schema = load_schema(config.features.resolved_schema_path())
+    return {
+        "version": FINGERPRINT_VERSION,
+        "tables": {
+            t.name: {"rows": t.num_embeddings, "dim": t.embedding_dim, "pooling": t.pooling, "field": t.field,
+                     "field_kind": field_kind(schema, t.field), "id_mapping": t.id_mapping}
+            for t in config.features.tables
+        },
+        "table_order": [t.name for t in config.features.tables],
+        "dense_features": len(config.features.dense),
+        "dense_arch_layer_sizes": list(config.model.dense_arch_layer_sizes),
+        "over_arch_layer_sizes": list(config.model.over_arch_layer_sizes),
+        "sparse_optimizer": config.model.sparse_optimizer,
+    }
+
+
+def fingerprint_differences(ours: dict[str, Any], theirs: dict[str, Any],
+                            config: WorkerConfig) -> list[str]:
+    """Why a snapshot's fingerprint (``theirs``) does not fit this worker's; empty if it does."""
+    if theirs.get("version") != FINGERPRINT_VERSION:
+        # A version-1 fingerprint hashed whole sections: equal to this config's means nothing
+        # changed; unequal cannot tell a changed shape from a changed learning rate.
+        old = _fingerprint_v1(config)
+        changed = sorted(k for k in old if theirs.get(k) != old[k])
+        return [f"the {' and '.join(changed)} configuration (the snapshot carries a version-1 fingerprint, which "
+                f"cannot tell whether the change shapes any tensor; restore it once with the config it was "
+                f"written with, and the snapshots after carry version {FINGERPRINT_VERSION})"] if changed else []
+    return _differences(ours, theirs, "")
+
+
+def _differences(ours: Any, theirs: Any, where: str) -> list[str]:
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        return [d for k in sorted(set(ours) | set(theirs), key=str)
+                for d in _differences(ours.get(k), theirs.get(k), f"{where}.{k}" if where else str(k))]
+    return [] if ours == theirs else [f"{where}: {theirs!r} in the snapshot, {ours!r} here"]
+
+
+def _fingerprint_v1(config: WorkerConfig) -> dict[str, str]:
+    """The fingerprint snapshots carried before version 2: digests of the feature and model
+    config and of the Avro types of the fields the features read."""
     schema = load_schema(config.features.resolved_schema_path())
     used = {t.field for t in config.features.tables} | {d.field for d in config.features.dense}
     used |= {config.features.label}
@@ -206,10 +266,17 @@ class Checkpointer:
         self.world_size = world_size
         self.group = group
         self.metrics = metrics
+        self.worker_config = worker_config
         self.fingerprint = compatibility_fingerprint(worker_config)
         self.in_flight: tuple[Future, str, StreamState, float] | None = None
         self.last_saved_at = time.monotonic()
         self.last_saved_step = 0
+        # The interval triggers count from the last attempt: a failed one is retried at the
+        # next trigger, not at every step.
+        self.last_attempt_at = self.last_saved_at
+        self.last_attempt_step = 0
+        self.consecutive_failures = 0
+        self.last_failure = ""
         if rank == 0:
             fs, base = _fs(self.root)
             fs.makedirs(base, exist_ok=True)
@@ -234,31 +301,46 @@ class Checkpointer:
         stream = self._gather(local)
         path = _join(self.root, f"step-{stream.step:09d}{PARTIAL}")
         writer = _fsspec_writer(path) if _is_url(path) else FileSystemWriter(path)
-        started = time.monotonic()
-        # async_save stages (copies) the state before it returns: training may go on at once.
-        future = dcp.async_save(self._state_dict(stream.to_json()), storage_writer=writer,
-                                process_group=self.group, async_checkpointer_type=_ASYNC_MODES[self.config.async_mode])
+        started = self.last_attempt_at = time.monotonic()
+        self.last_attempt_step = stream.step
+        try:
+            # async_save stages (copies) the state before it returns: training may go on at once.
+            future = dcp.async_save(self._state_dict(stream.to_json()), storage_writer=writer, process_group=self.group,
+                                    async_checkpointer_type=_ASYNC_MODES[self.config.async_mode])
+        except Exception as error:  # failed here on this rank only: finish_save makes every rank agree
+            future = Future()
+            future.set_exception(error)
         self.in_flight = (future, path, stream, started)
 
-    def finish_save(self) -> StreamState:
+    @property
+    def failing(self) -> bool:
+        return self.consecutive_failures >= self.config.max_consecutive_failures
+
+    def finish_save(self) -> StreamState | None:
         """Wait for this rank's writes, then (rank 0) commit the snapshot. Call on all ranks once
-        every rank's ``save_done()`` is true, or at shutdown."""
+        every rank's ``save_done()`` is true, or at shutdown.
+
+        Returns the committed stream state, or None if the save failed on any rank: then every
+        rank counts it, rank 0 removes the folder, and the next trigger tries again."""
         assert self.in_flight is not None
         future, partial_path, stream, started = self.in_flight
         self.in_flight = None
-        try:
-            future.result()
-        except Exception:
-            if self.metrics:
-                self.metrics.checkpoint_failures.inc()
-            raise
-        if self.world_size > 1:
-            dist.barrier(group=self.group)  # every rank's files are written
+        error = future.exception()
+        # A write can fail on some ranks only; all agree before rank 0 commits, so no rank waits
+        # at a collective the others skipped, and no partial snapshot is committed.
+        if not self._all_ok(error is None):
+            self._failed(partial_path, stream.step, error)
+            return None
         final_path = partial_path[: -len(PARTIAL)]
         if self.rank == 0:
-            self._commit(partial_path, final_path, stream, time.monotonic() - started)
-        if self.world_size > 1:
-            dist.barrier(group=self.group)  # the snapshot is committed before anyone relies on it
+            try:
+                self._commit(partial_path, final_path, stream, time.monotonic() - started)
+            except Exception as commit_error:
+                error = commit_error
+        if not self._all_ok(error is None):  # committed before anyone relies on it
+            self._failed(partial_path, stream.step, error)
+            return None
+        self.consecutive_failures = 0
         duration = time.monotonic() - started
         self.last_saved_at = time.monotonic()
         self.last_saved_step = stream.step
@@ -270,9 +352,41 @@ class Checkpointer:
         log.info("rank %d: snapshot %s committed (step %d, %.2fs)", self.rank, final_path, stream.step, duration)
         return stream
 
-    def save(self, local: StreamState) -> StreamState:
+    def save(self, local: StreamState) -> StreamState | None:
         self.start_save(local)
         return self.finish_save()
+
+    def _all_ok(self, ok: bool) -> bool:
+        return self._agree(int(ok), dist.ReduceOp.MIN) == 1
+
+    def _agree(self, value: int, op: dist.ReduceOp.RedOpType) -> int:
+        if self.world_size == 1:
+            return value
+        agreed = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(agreed, op=op, group=self.group)
+        return int(agreed.item())
+
+    def _failed(self, partial_path: str, step: int, error: BaseException | None) -> None:
+        self.consecutive_failures += 1
+        reason = _first_line(error) if error is not None else "another rank's part failed (see its log)"
+        self.last_failure = f"step {step}: {reason}"
+        if self.metrics:
+            self.metrics.checkpoint_failures.inc()
+        log.error("rank %d: snapshot at step %d failed (%d in a row; the worker exits at %d): %s", self.rank, step,
+                  self.consecutive_failures, self.config.max_consecutive_failures, reason)
+        if self.rank == 0:
+            fs, partial = _fs(partial_path)
+            try:
+                if fs.exists(partial):
+                    fs.rm(partial, recursive=True)
+            except OSError as cleanup_error:  # the next committed snapshot's retention removes it
+                log.warning("could not remove %s: %s", partial_path, cleanup_error)
+
+    def failing_message(self) -> str:
+        return (f"{self.consecutive_failures} snapshots in a row failed (checkpoint.max_consecutive_failures is "
+                f"{self.config.max_consecutive_failures}); the last at {self.last_failure}. Training on would pile "
+                f"up work that a crash loses. Check free space and permissions of {self.root}; a restart resumes "
+                f"from the last committed snapshot. Exiting with code {EXIT_SNAPSHOTS_FAILING}.")
 
     def _commit(self, partial_path: str, final_path: str, stream: StreamState, seconds: float) -> None:
         fs, partial = _fs(partial_path)
@@ -319,48 +433,96 @@ class Checkpointer:
 
     # --- restoring ------------------------------------------------------------------------
     def restore(self, allow_partial: bool = False) -> StreamState | None:
-        """Load the newest snapshot that verifies and loads; None if there is none."""
-        for snapshot in list_snapshots(self.root):
-            if not snapshot.complete:
-                log.warning("skipping snapshot %s: %s", snapshot.path, snapshot.problem)
-                continue
-            assert snapshot.metadata is not None  # a complete snapshot has its marker
-            theirs = snapshot.metadata.get("fingerprint", {})
-            mismatched = sorted(k for k, v in self.fingerprint.items() if theirs.get(k) != v)
-            if mismatched and not allow_partial:
-                raise CheckpointError(
-                    f"snapshot {snapshot.path} was written for a different {' and '.join(mismatched)} "
-                    f"configuration than this worker's; its tensors would not mean the same thing. Restore "
-                    f"it with the matching config, point checkpoint.path elsewhere to start fresh, or pass "
-                    f"--allow-partial-restore to load only the tensors whose names and shapes still match.")
-            try:
-                stream = self._load(snapshot.path, partial=bool(mismatched))
-            except Exception as error:
-                log.warning("skipping snapshot %s: loading it failed: %s", snapshot.path,
-                            str(error).splitlines()[0] if str(error) else type(error).__name__)
-                continue
-            log.info("restored %s: step %d, written by %d rank(s); positions %s", snapshot.path, stream.step,
-                     snapshot.metadata.get("world_size"), dict(sorted(stream.next_offsets.items())))
-            self.last_saved_step = stream.step
-            if self.metrics:
-                self.metrics.checkpoint_last_success.set(snapshot.metadata.get("wall_time", time.time()))
-            return stream
-        return None
+        """Load the newest snapshot that every rank verifies and loads; None if there is none."""
+        loaded = self._load_agreed(list_snapshots(self.root), allow_partial, ("model", "optimizer", "stream"))
+        if loaded is None:
+            return None
+        snapshot, stream = loaded
+        assert stream is not None and snapshot.metadata is not None
+        log.info("restored %s: step %d, written by %d rank(s); positions %s", snapshot.path, stream.step,
+                 snapshot.metadata.get("world_size"), dict(sorted(stream.next_offsets.items())))
+        self.last_saved_step = self.last_attempt_step = stream.step
+        if self.metrics:
+            self.metrics.checkpoint_last_success.set(snapshot.metadata.get("wall_time", time.time()))
+        return stream
 
-    def _load(self, path: str, partial: bool) -> StreamState:
-        self.optimizer.init_state()  # fused optimizer state is lazy: create it so DCP can fill it in place
-        state = self._state_dict("")
+    def warm_start(self, source: str, with_optimizer: bool, allow_partial: bool = False) -> None:
+        """Load the weights (and ``with_optimizer``, the optimizer state) of another run's snapshot:
+        ``source`` is a ``step-<N>`` folder, or a checkpoint.path whose newest complete snapshot is
+        taken. Its positions are not: the stream starts as in a fresh run."""
+        candidates = [verify_snapshot(source)] if _step_of(source.rstrip("/").rsplit("/", 1)[-1]) is not None \
+            else list_snapshots(source)
+        parts = ("model", "optimizer") if with_optimizer else ("model",)
+        loaded = self._load_agreed(candidates, allow_partial, parts)
+        if loaded is None:
+            raise CheckpointError(f"checkpoint.init_from {source} holds no snapshot that every rank can load (see "
+                                  f"the warnings above); fix or remove checkpoint.init_from to start from scratch")
+        snapshot = loaded[0]
+        log.info("warm start: weights%s from %s (step %d, written by %s rank(s)); positions not taken from it",
+                 " and optimizer state" if with_optimizer else "", snapshot.path, snapshot.step,
+                 (snapshot.metadata or {}).get("world_size"))
+
+    def _load_agreed(self, snapshots: list[SnapshotInfo], allow_partial: bool,
+                     parts: tuple[str, ...]) -> tuple[SnapshotInfo, StreamState | None] | None:
+        """Every rank loads ``parts`` of the same snapshot: the newest each rank verifies (the
+        MIN over ranks); if any rank cannot verify or load it, all fall back to the next older
+        one together. Ranks that restored different cuts would train from mixed positions."""
+        for unusable in (s for s in snapshots if not s.complete):
+            log.warning("skipping snapshot %s: %s", unusable.path, unusable.problem)
+        verified = {s.step: s for s in snapshots if s.complete}
+        below: int | None = None
+        while True:  # ends: each turn lowers ``below`` to a step some rank verified, or to -1
+            step = self._agree(max((s for s in verified if below is None or s < below), default=-1),
+                               dist.ReduceOp.MIN)
+            if step < 0:
+                return None
+            below = step
+            snapshot = verified.get(step)
+            differences: list[str] = []
+            if snapshot is not None:
+                assert snapshot.metadata is not None  # a complete snapshot has its marker
+                differences = fingerprint_differences(self.fingerprint, snapshot.metadata.get("fingerprint", {}),
+                                                      self.worker_config)
+            refused = bool(differences) and not allow_partial
+            # 0: every rank loads it; 1: some rank cannot verify it; 2: some rank refuses it
+            verdict = self._agree(1 if snapshot is None else 2 if refused else 0, dist.ReduceOp.MAX)
+            if verdict == 2:
+                raise CheckpointError(
+                    f"the snapshot {snapshot.path if snapshot else f'at step {step}'} does not fit this worker: "
+                    f"{'; '.join(differences) or 'another rank refused it (see its log)'}. "
+                    f"Its tensors would not mean the same thing here. Restore it with the config it was written "
+                    f"with, point checkpoint.path elsewhere to start fresh, or pass --allow-partial-restore to "
+                    f"load only the tensors whose names and shapes still match.")
+            if verdict == 1:
+                log.warning("skipping the snapshot at step %d: %s", step, "this rank cannot verify it"
+                            if snapshot is None else "another rank cannot verify it (see its log)")
+                continue
+            assert snapshot is not None
+            stream, error = None, None
+            try:
+                stream = self._load(snapshot.path, bool(differences), parts)
+            except (Exception, CheckpointException) as load_error:  # DCP's is a BaseException
+                error = load_error
+            if self._all_ok(error is None):
+                return snapshot, stream
+            log.warning("skipping snapshot %s: loading it failed %s", snapshot.path,
+                        f"here: {_first_line(error)}" if error else "on another rank (see its log)")
+
+    def _load(self, path: str, partial: bool, parts: tuple[str, ...]) -> StreamState | None:
+        if "optimizer" in parts:
+            self.optimizer.init_state()  # fused optimizer state is lazy: create it so DCP can fill it in place
+        state = {k: v for k, v in self._state_dict("").items() if k in parts}
         reader = _fsspec_reader(path) if _is_url(path) else FileSystemReader(_fs(path)[1])
         if partial:
             state = _matching_only(state, reader.read_metadata())
         dcp.load(state, storage_reader=reader, process_group=self.group,
                  planner=DefaultLoadPlanner(allow_partial_load=partial))
         self.model.load_state_dict(state["model"], strict=not partial)
-        if not partial:
+        if "optimizer" in parts and not partial:
             # DCP filled the optimizer's state tensors in place; this restores the rest (steps,
             # param groups). A partial restore keeps the loaded tensors and fresh counters.
             self.optimizer.load_state_dict(state["optimizer"])
-        return StreamState.from_json(state["stream"])
+        return StreamState.from_json(state["stream"]) if "stream" in parts else None
 
 
 def _matching_only(state: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
@@ -393,3 +555,7 @@ def _version(module: str) -> str:
         except PackageNotFoundError:
             continue
     return "unknown"
+
+
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__

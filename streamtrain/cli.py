@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -42,7 +43,10 @@ def _setup_logging(verbose: bool = False) -> None:
 def _worker(args: argparse.Namespace) -> int:
     from streamtrain.config import load_config
 
-    config = load_config(args.config)  # fail on a bad config before any rank starts
+    environ = dict(os.environ)
+    if args.init_from:  # validated like the config field it sets
+        environ["STREAMTRAIN_CHECKPOINT__INIT_FROM"] = json.dumps(args.init_from)
+    config = load_config(args.config, environ)  # fail on a bad config before any rank starts
     if args.nproc and "LOCAL_RANK" not in os.environ:
         return _launch_local_ranks(args)
     from streamtrain.worker import run_worker
@@ -68,6 +72,8 @@ def _launch_local_ranks(args: argparse.Namespace) -> int:
         worker_args += ["--max-events", str(args.max_events)]
     if args.allow_partial_restore:
         worker_args.append("--allow-partial-restore")
+    if args.init_from:
+        worker_args += ["--init-from", args.init_from]
     launch = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={args.nproc}", "--max-restarts=0", "--module", "streamtrain",
          *worker_args])
@@ -208,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--allow-partial-restore", action="store_true",
                         help="restore a snapshot written for another feature config: load only the tensors "
                              "whose names and shapes still match")
+    worker.add_argument("--init-from", metavar="SNAPSHOT_DIR",
+                        help="while checkpoint.path holds no snapshot, take the weights from another run's "
+                             "snapshot (checkpoint.init_from); its Kafka positions are not taken")
     worker.add_argument("--nproc", type=int, metavar="N",
                         help="launch N ranks on this host through torch's elastic launcher (as torchrun does)")
     worker.set_defaults(run=_worker)

@@ -216,6 +216,22 @@ class CheckpointConfig(_Strict):
     # Where dcp.async_save writes: a thread of the worker, or a helper process that does not
     # compete with training for the GIL.
     async_mode: Literal["thread", "process"] = "thread"
+    # A failed snapshot is counted (streamtrain_checkpoint_failures_total) and retried at the next
+    # trigger; after this many in a row the worker exits with code 4, since training on would pile
+    # up work that a crash loses.
+    max_consecutive_failures: int = Field(default=3, gt=0)
+    # A warm start: while checkpoint.path holds no snapshot, take the weights from another run's
+    # snapshot (a step-<N> folder, or a checkpoint.path: its newest complete one), at any world
+    # size. Its Kafka positions are not taken. Once this run has snapshots, they win.
+    init_from: str | None = None
+    # With init_from: take the optimizer state too; otherwise it starts fresh.
+    init_optimizer: bool = False
+
+    @model_validator(mode="after")
+    def _init_from_needs_a_path(self) -> CheckpointConfig:
+        if self.init_from and not self.path:
+            raise ValueError("init_from needs checkpoint.path: set it to where this run writes its own snapshots")
+        return self
 
 
 class DeadLetterConfig(_Strict):

@@ -18,7 +18,7 @@ from typing import Literal, Protocol
 import torch
 import torch.distributed as dist
 
-from streamtrain.checkpoint import Checkpointer, StreamState
+from streamtrain.checkpoint import Checkpointer, SnapshotsFailing, StreamState
 from streamtrain.config import WorkerConfig
 from streamtrain.decode import ClickBatch
 
@@ -197,9 +197,10 @@ class SnapshotSchedule:
             return False
         return (
             self.requested.is_set()
-            or self.clock() - checkpointer.last_saved_at >= interval.interval_seconds
+            or self.clock() - checkpointer.last_attempt_at >= interval.interval_seconds
             or bool(
-                interval.interval_steps and self.state.step - checkpointer.last_saved_step >= interval.interval_steps
+                interval.interval_steps
+                and self.state.step - checkpointer.last_attempt_step >= interval.interval_steps
             )
         )
 
@@ -214,7 +215,8 @@ class SnapshotSchedule:
             state.event_time_high_water_ms = max(state.event_time_high_water_ms, int(batch.event_time_ms.max()))
 
     def act(self, agreed: dict[str, bool]) -> None:
-        """After a step: commit a finished snapshot, or start one, as every rank agreed."""
+        """After a step: commit a finished snapshot, or start one, as every rank agreed. Raises
+        ``SnapshotsFailing`` on every rank at once when too many snapshots in a row failed."""
         checkpointer = self.checkpointer
         if checkpointer is None:
             if self.clock() - self.last_commit >= self.config.metrics.log_interval_seconds:
@@ -222,6 +224,8 @@ class SnapshotSchedule:
                 self.last_commit = self.clock()
         elif agreed.get("saved") and checkpointer.save_in_flight:
             self._committed(checkpointer.finish_save(), self.commit)
+            if checkpointer.failing:
+                raise SnapshotsFailing(checkpointer.failing_message())
         elif agreed.get("checkpoint") and not checkpointer.save_in_flight:
             self.requested.clear()
             checkpointer.start_save(self.state.copy())
@@ -240,5 +244,7 @@ class SnapshotSchedule:
         if self.state.step > checkpointer.last_saved_step:
             self._committed(checkpointer.save(self.state.copy()), commit)
 
-    def _committed(self, stream: StreamState, commit: Callable[[dict[int, int]], None]) -> None:
+    def _committed(self, stream: StreamState | None, commit: Callable[[dict[int, int]], None]) -> None:
+        if stream is None:  # the save failed: the group hears nothing new
+            return
         commit({p: o for p, o in stream.next_offsets.items() if p in self.partitions})

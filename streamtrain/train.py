@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed import DistributedModelParallel, comm_ops
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
@@ -160,6 +160,10 @@ def write_plan_json(plan: ShardingPlan, config: WorkerConfig, world_size: int, p
 class Trainer:
     def __init__(self, config: WorkerConfig, env: DistEnv):
         self.env = env
+        # The loss is scaled by world size over the global batch, which is right only if the
+        # sharded tables' all-to-all backward divides their gradients by the world size (as DDP
+        # does for data-parallel tables). It is TorchRec's default, a process-wide switch: pin it.
+        comm_ops.set_gradient_division(True)
         torch.manual_seed(config.model.seed)
         model, self.plan = plan_sharding(config, env.world_size, env.device.type, dist.group.WORLD, env.device)
         sharders = [EmbeddingBagCollectionSharder()]

@@ -17,7 +17,7 @@ import numpy as np
 import torch.distributed as dist
 
 from streamtrain.batch import Prefetcher
-from streamtrain.checkpoint import Checkpointer
+from streamtrain.checkpoint import EXIT_SNAPSHOTS_FAILING, Checkpointer, SnapshotsFailing
 from streamtrain.config import WorkerConfig
 from streamtrain.deadletter import Rejections
 from streamtrain.decode import AvroBatchDecoder
@@ -161,8 +161,14 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
         checkpointer = Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, env.rank,
                                     env.world_size, own_group(), metrics)
         restored = checkpointer.restore(allow_partial_restore)
-        if restored is None:
+        if restored is None and config.checkpoint.init_from:
+            checkpointer.warm_start(config.checkpoint.init_from, config.checkpoint.init_optimizer,
+                                    allow_partial_restore)
+        elif restored is None:
             log.info("no snapshot under %s: starting from the earliest offsets", config.checkpoint.path)
+        elif config.checkpoint.init_from:
+            log.info("checkpoint.path has snapshots of its own: checkpoint.init_from %s is ignored",
+                     config.checkpoint.init_from)
     source = KafkaSource(config.kafka, env.rank, env.world_size, until_end=until_end, max_events=max_events,
                          start_offsets=(restored.next_offsets if restored else {}) if checkpointer else None,
                          on_error=lambda code: metrics.kafka_errors.labels(code).inc())
@@ -174,6 +180,10 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
     prefetcher = Prefetcher(source, decoder, config.batching, metrics, rejections, config.metrics.lag_refresh_seconds)
     snapshots = SnapshotSchedule(config, checkpointer, restored, source.next_offset, source.partitions,
                                  commit=prefetcher.commits.offer)
+    if checkpointer and restored is None and config.checkpoint.init_from:
+        # The warm start becomes this run's step 0: a restart before the first snapshot resumes
+        # from it, not from init_from, which may have moved on meanwhile.
+        checkpointer.save(snapshots.state.copy())
     steps = Lockstep(prefetcher, lambda: decoder.decode([]).batch, env.world_size, own_group(),
                      flush_after_seconds=config.batching.max_batch_wait_ms / 1000, questions=snapshots.questions(),
                      heartbeat=health.beat)
@@ -190,6 +200,9 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
                 snapshots.record(result.step, result.batch)
                 metrics.global_step.set(snapshots.state.step)  # continues from a restored snapshot's step
                 snapshots.act(steps.take_agreed())
+    except SnapshotsFailing as error:  # raised on every rank at the same step
+        log.error("rank %d: %s", env.rank, error)
+        exit_code = EXIT_SNAPSHOTS_FAILING
     except RuntimeError as error:
         if not _is_collective_failure(error):
             raise

@@ -167,8 +167,9 @@ class FakeCheckpointer:
 
     def __init__(self, clock: FakeClock):
         self.clock = clock
-        self.last_saved_at = clock()
-        self.last_saved_step = 0
+        self.last_attempt_at = clock()
+        self.last_saved_step = self.last_attempt_step = 0
+        self.failing = False
         self.in_flight: StreamState | None = None
         self.written = False
         self.saved: list[StreamState] = []
@@ -182,11 +183,12 @@ class FakeCheckpointer:
 
     def start_save(self, state: StreamState) -> None:
         self.in_flight, self.written = state, False
+        self.last_attempt_at, self.last_attempt_step = self.clock(), state.step
 
     def finish_save(self) -> StreamState:
         assert self.in_flight is not None
         state, self.in_flight = self.in_flight, None
-        self.last_saved_at, self.last_saved_step = self.clock(), state.step
+        self.last_saved_step = state.step
         self.saved.append(state)
         return state
 
@@ -216,11 +218,11 @@ def test_a_snapshot_is_due_after_its_interval_its_steps_or_a_request(config):
     assert not plan.due()
     clock.now = 10.0
     assert plan.due()
-    checkpointer.last_saved_at = 10.0
+    checkpointer.last_attempt_at = 10.0
     assert not plan.due()
     plan.record(5, click_batch(1))  # interval_steps: 5
     assert plan.due()
-    checkpointer.last_saved_step = 5
+    checkpointer.last_attempt_step = 5
     assert not plan.due()
     plan.request()
     assert plan.due()
