@@ -42,7 +42,10 @@ def _setup_logging(verbose: bool = False) -> None:
 def _worker(args: argparse.Namespace) -> int:
     from streamtrain.config import load_config
 
-    config = load_config(args.config)  # fail on a bad config before any rank starts
+    environ = dict(os.environ)
+    if args.start_at is not None:  # validated, and named in errors, as kafka.start_at
+        environ["STREAMTRAIN_KAFKA__START_AT"] = args.start_at
+    config = load_config(args.config, environ)  # fail on a bad config before any rank starts
     if args.nproc and "LOCAL_RANK" not in os.environ:
         return _launch_local_ranks(args)
     from streamtrain.worker import run_worker
@@ -68,6 +71,8 @@ def _launch_local_ranks(args: argparse.Namespace) -> int:
         worker_args += ["--max-events", str(args.max_events)]
     if args.allow_partial_restore:
         worker_args.append("--allow-partial-restore")
+    if args.start_at is not None:
+        worker_args += ["--start-at", args.start_at]
     launch = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={args.nproc}", "--max-restarts=0", "--module", "streamtrain",
          *worker_args])
@@ -193,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--allow-partial-restore", action="store_true",
                         help="restore a snapshot written for another feature config: load only the tensors "
                              "whose names and shapes still match")
+    worker.add_argument("--start-at", metavar="WHEN",
+                        help="where reading starts when no snapshot is restored: earliest, latest, an ISO-8601 time "
+                             "with a timezone, or epoch milliseconds (overrides kafka.start_at)")
     worker.add_argument("--nproc", type=int, metavar="N",
                         help="launch N ranks on this host through torch's elastic launcher (as torchrun does)")
     worker.set_defaults(run=_worker)
