@@ -46,6 +46,8 @@ def _worker(args: argparse.Namespace) -> int:
     environ = dict(os.environ)
     if args.init_from:  # validated like the config field it sets
         environ["STREAMTRAIN_CHECKPOINT__INIT_FROM"] = json.dumps(args.init_from)
+    if args.start_at is not None:  # validated, and named in errors, as kafka.start_at
+        environ["STREAMTRAIN_KAFKA__START_AT"] = args.start_at
     config = load_config(args.config, environ)  # fail on a bad config before any rank starts
     if args.nproc and "LOCAL_RANK" not in os.environ:
         return _launch_local_ranks(args)
@@ -74,6 +76,8 @@ def _launch_local_ranks(args: argparse.Namespace) -> int:
         worker_args.append("--allow-partial-restore")
     if args.init_from:
         worker_args += ["--init-from", args.init_from]
+    if args.start_at is not None:
+        worker_args += ["--start-at", args.start_at]
     launch = get_args_parser().parse_args(
         ["--standalone", f"--nproc-per-node={args.nproc}", "--max-restarts=0", "--module", "streamtrain",
          *worker_args])
@@ -217,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument("--init-from", metavar="SNAPSHOT_DIR",
                         help="while checkpoint.path holds no snapshot, take the weights from another run's "
                              "snapshot (checkpoint.init_from); its Kafka positions are not taken")
+    worker.add_argument("--start-at", metavar="WHEN",
+                        help="where reading starts when no snapshot is restored: earliest, latest, an ISO-8601 time "
+                             "with a timezone, or epoch milliseconds (overrides kafka.start_at)")
     worker.add_argument("--nproc", type=int, metavar="N",
                         help="launch N ranks on this host through torch's elastic launcher (as torchrun does)")
     worker.set_defaults(run=_worker)

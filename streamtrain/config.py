@@ -8,10 +8,14 @@ flow collections, so ``[64, 16]`` and ``true`` work.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import types
+from collections.abc import Mapping
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -58,14 +62,77 @@ class _ClientProperties(_Strict):
         return props
 
 
+# Consumer properties streamtrain sets itself, and why: exactly-once rests on how positions are
+# tracked and committed, so client_config may not change them.
+OWNED_PROPERTIES = {
+    "bootstrap.servers": "set kafka.bootstrap_servers instead",
+    "group.id": "set kafka.group_id instead",
+    "enable.auto.commit": "the worker commits only trained or snapshotted positions",
+    "enable.auto.offset.store": "the worker commits only trained or snapshotted positions",
+    "enable.partition.eof": "the worker sets it for --until-end",
+    "auto.offset.reset": "set kafka.start_at to choose where reading starts",
+    "error_cb": "the worker counts and logs client errors",
+    "logger": "librdkafka's log goes to the Python logger streamtrain.kafka",
+}
+
+
 class KafkaConfig(_ClientProperties):
     bootstrap_servers: str = Field(min_length=1)
     topic: str = Field(min_length=1)
     group_id: str = "streamtrain"
+    # Where reading starts when no snapshot is restored: earliest, latest, or a time (ISO-8601 with a
+    # timezone, or epoch milliseconds), i.e. each partition's first message whose timestamp is at or
+    # after it. Unset: the group's committed offsets, else the earliest.
+    start_at: str | None = None
+
+    @field_validator("client_config", "client_config_files")
+    @classmethod
+    def _not_owned(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key in value:
+            if key in OWNED_PROPERTIES:
+                raise ValueError(f"{key!r} is set by streamtrain and cannot be overridden: {OWNED_PROPERTIES[key]}")
+        return value
+
+    @field_validator("start_at", mode="before")
+    @classmethod
+    def _start_at_as_text(cls, value: Any) -> Any:
+        # YAML reads an unquoted time as a datetime, and digits as an int.
+        if isinstance(value, date):
+            return value.isoformat()
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+    @field_validator("start_at")
+    @classmethod
+    def _start_at_understood(cls, value: str | None) -> str | None:
+        if value is not None:
+            start_position(value)
+        return value
+
+    def start_position(self) -> Literal["earliest", "latest"] | int | None:
+        """``start_at`` as earliest, latest or epoch milliseconds; None if unset."""
+        return None if self.start_at is None else start_position(self.start_at)
 
     def librdkafka(self) -> dict[str, str]:
         """The librdkafka properties, secrets included; never log the result."""
         return {"bootstrap.servers": self.bootstrap_servers, **self.client_properties()}
+
+
+def start_position(text: str) -> Literal["earliest", "latest"] | int:
+    if text in ("earliest", "latest"):
+        return text  # type: ignore[return-value]
+    if text.isdigit():
+        if int(text) < 10**11:  # before 1973 in milliseconds: epoch seconds, most likely
+            raise ValueError(f"{text!r} looks like epoch seconds; give epoch milliseconds ({text}000)")
+        return int(text)
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not earliest, latest, an ISO-8601 time such as 2026-11-30T12:00:00Z, "
+                         "or epoch milliseconds") from None
+    if moment.tzinfo is None:
+        raise ValueError(f"{text!r} has no timezone: add one, e.g. {text}Z for UTC")
+    # Whole milliseconds, rounded up (a message at or after the time), without float rounding.
+    return -((datetime(1970, 1, 1, tzinfo=UTC) - moment) // timedelta(milliseconds=1))
 
 
 ShardingTypeName = Literal["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise",
@@ -203,6 +270,15 @@ class DistributedConfig(_Strict):
     timeout_seconds: float = Field(default=120.0, gt=0)
     # Where rank 0 writes the sharding plan as JSON; empty to skip.
     plan_path: Path | None = None
+    # From a stop (a signal, the end of --until-end or --max-events, a peer's stop) to the exit,
+    # the final snapshot included; past it the worker exits 3 without a clean close. Here, beside
+    # timeout_seconds, since the ranks stop together and a rank's shutdown waits on its peers.
+    shutdown_grace_seconds: float = Field(default=30.0, gt=0)
+
+    @field_validator("plan_path", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value  # STREAMTRAIN_DISTRIBUTED__PLAN_PATH= means none
 
 
 class CheckpointConfig(_Strict):
@@ -291,10 +367,14 @@ class WorkerConfig(_Strict):
 def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
     """Return a copy of ``raw`` with every STREAMTRAIN_A__B__C variable written to raw[a][b][c]."""
     merged = json.loads(json.dumps(raw, default=str))
-    for name, value in sorted(environ.items()):
-        # Only STREAMTRAIN_<SECTION>__<FIELD> names are config; others (STREAMTRAIN_KAFKA_LIBS) are not.
-        if not name.startswith(ENV_PREFIX) or "__" not in name:
-            continue
+    # Only STREAMTRAIN_<SECTION>__<FIELD> names are config; others (STREAMTRAIN_KAFKA_LIBS) are not.
+    names = sorted(name for name in environ if name.startswith(ENV_PREFIX) and "__" in name)
+    unknown = [f"  {name}: {problem}" for name in names
+               if (problem := _not_a_field(name[len(ENV_PREFIX):].lower().split("__")))]
+    if unknown:
+        raise ConfigError("invalid worker configuration:\n" + "\n".join(unknown))
+    for name in names:
+        value = environ[name]
         path = name[len(ENV_PREFIX):].lower().split("__")
         node: Any = merged
         for i, key in enumerate(path):
@@ -312,6 +392,33 @@ def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict
                     node[key] = {}
                 node = node[key]
     return merged
+
+
+def _not_a_field(path: list[str]) -> str | None:
+    """Why ``path`` names no config field (a typo would otherwise be ignored or reported without the
+    variable's name); None if it names one."""
+    kind: Any = WorkerConfig
+    for i, key in enumerate(path):
+        origin = get_origin(kind)
+        if origin in (Union, types.UnionType):  # an optional section or value
+            kind = next(a for a in get_args(kind) if a is not type(None))
+            origin = get_origin(kind)
+        where = ".".join(path[:i]) or "the config"
+        if origin is dict:  # client properties: any name
+            return None
+        if origin is list:
+            if not key.isdigit():
+                return f"{where} is a list: {key!r} is not an index"
+            kind = get_args(kind)[0]
+        elif isinstance(kind, type) and issubclass(kind, BaseModel):
+            if key not in kind.model_fields:
+                near = difflib.get_close_matches(key, list(kind.model_fields), n=1)
+                hint = f"; did you mean {ENV_PREFIX + '__'.join([*path[:i], near[0]]).upper()}?" if near else ""
+                return f"{where} has no field {key!r}{hint}"
+            kind = kind.model_fields[key].annotation
+        else:
+            return f"{where} is a value, not a section"
+    return None
 
 
 def _format_errors(error: ValidationError) -> str:

@@ -27,7 +27,7 @@ from confluent_kafka.admin import AdminClient
 from streamtrain.config import DeadLetterConfig, KafkaConfig
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.retry import Backoff, retry
-from streamtrain.source import RawEvent
+from streamtrain.source import KAFKA_LOG, RawEvent
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ class DeadLetterWriter:
             "broker.address.family": "v4",  # as the consumer; kafka.client_config may override it
             **self.kafka.librdkafka(),
             "error_cb": self._client_error,
+            "logger": KAFKA_LOG,
             "enable.idempotence": True,
             "acks": "all",
             "partitioner": "murmur2_random",  # the Java client's: one key, one dead-letter partition
@@ -90,7 +91,7 @@ class DeadLetterWriter:
 
     def check_topic(self, timeout: float = 10.0) -> None:
         """Says at start-up where dead letters go, and loudly if that topic cannot take them now."""
-        admin = AdminClient({"broker.address.family": "v4", **self.kafka.librdkafka()})
+        admin = AdminClient({"broker.address.family": "v4", **self.kafka.librdkafka(), "logger": KAFKA_LOG})
         try:
             topic = admin.list_topics(self.topic, timeout=timeout).topics.get(self.topic)
             problem = None if topic is not None and topic.error is None and topic.partitions else (

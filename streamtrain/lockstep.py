@@ -55,6 +55,12 @@ class Lockstep:
     of every rank's stream ends the iteration on all ranks at the same step. The iterator never
     yields None, which TrainPipelineSparseDist would take for the end of the stream.
 
+    With ``max_events`` (each rank's source reads at most that many itself), the iteration ends on
+    all ranks at the first step at which the events stepped over all ranks reach it, or once any
+    rank has handed over all it may read (fewer were stepped when some could not be decoded). One
+    busy rank therefore trains exactly ``max_events``; several can overshoot it by less than the
+    last step's global batch, since a batch is never split.
+
     Every batch yielded is a new ``ClickBatch`` that knows its step's global size, and whose loss
     scale is world size over it.
     """
@@ -72,6 +78,7 @@ class Lockstep:
         questions: dict[str, Question] | None = None,
         heartbeat: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
+        max_events: int | None = None,
     ):
         """An agreed question (``take_agreed()``) is a reason to step even when no rank has data,
         so that e.g. a due snapshot is taken on an idle stream."""
@@ -83,6 +90,7 @@ class Lockstep:
         self.questions = questions or {}
         self.heartbeat = heartbeat  # the loop turns at least every IDLE_WAIT_SECONDS unless it hangs
         self.clock = clock
+        self.max_events = max_events
         self.agreed: dict[str, bool] = dict.fromkeys(self.questions, False)
 
     def take_agreed(self) -> dict[str, bool]:
@@ -97,7 +105,10 @@ class Lockstep:
         recent_global_sizes: deque[int] = deque([0] * PIPELINE_LOOKAHEAD, maxlen=PIPELINE_LOOKAHEAD)
         busy = False
         last_step = self.clock()
+        stepped = 0  # events over all ranks: the same on every rank
         while True:
+            if self.max_events is not None and stepped >= self.max_events:
+                return
             self.heartbeat()
             batch = self.batches.get(self.BUSY_WAIT_SECONDS if busy else self.IDLE_WAIT_SECONDS)
             flush = any(recent_global_sizes) and self.clock() - last_step >= self.flush_after
@@ -111,6 +122,7 @@ class Lockstep:
                 busy = False
                 continue
             recent_global_sizes.append(global_size)
+            stepped += global_size
             busy = True
             yield batch.in_global_step(global_size, self.world_size)
             last_step = self.clock()
@@ -140,7 +152,9 @@ class Lockstep:
             for (name, (_ask, mode)), count in zip(self.questions.items(), answers, strict=True)
         }
         step = bool(batches_held or flushes or any(self.agreed.values()))
-        return global_size, step, bool(stops) or finished == self.world_size
+        # Under max_events a finished rank has read its whole allowance: the others stop with it.
+        ended = finished == self.world_size or (self.max_events is not None and finished > 0)
+        return global_size, step, bool(stops) or ended
 
 
 class SnapshotSchedule:

@@ -37,6 +37,12 @@ def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
     return float((ranks[labels].sum() - positives * (positives + 1) / 2.0) / (positives * negatives))
 
 
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    # exp of -|x| only: an untrained or diverging model's logits of +-1000 must not overflow.
+    e = np.exp(-np.abs(x))
+    return np.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
 def _log_loss(p: np.ndarray, y: np.ndarray) -> np.ndarray:
     p = np.clip(p, 1e-7, 1 - 1e-7)
     return -(y * np.log(p) + (1 - y) * np.log(1 - p))
@@ -72,7 +78,7 @@ class ProgressiveQuality:
         self.sums = np.zeros(4)  # bce, labels, probabilities, events
 
     def add(self, logits: np.ndarray, labels: np.ndarray) -> None:
-        probabilities = 1.0 / (1.0 + np.exp(-logits.astype(np.float64)))
+        probabilities = _sigmoid(logits.astype(np.float64))
         labels = labels.astype(np.float64)
         bins = np.minimum((probabilities * self.BINS).astype(np.int64), self.BINS - 1)
         with self.lock:

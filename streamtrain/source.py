@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Literal
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
 
@@ -18,6 +19,8 @@ from streamtrain.config import KafkaConfig
 from streamtrain.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
+# librdkafka's own log lines, at their levels, instead of raw lines on stderr.
+KAFKA_LOG = logging.getLogger("streamtrain.kafka")
 
 
 @dataclass(slots=True)
@@ -35,8 +38,9 @@ class RawEvent:
 class KafkaSource:
     """Reads the partitions ``p`` of ``config.topic`` with ``p % world_size == rank``.
 
-    Reading starts at ``start_offsets`` (a restored snapshot's) if given, else at the consumer
-    group's committed offsets, else at the earliest offset.
+    Reading starts at ``start_offsets`` (a restored snapshot's) if given, else at
+    ``config.start_at``, else (if ``committed``) at the consumer group's committed offsets, else
+    at the earliest offset.
 
     ``until_end`` captures each partition's end offset at start-up; once every partition has been
     read up to it, ``exhausted`` turns true. ``max_events`` bounds the total read instead.
@@ -44,22 +48,13 @@ class KafkaSource:
 
     def __init__(self, config: KafkaConfig, rank: int = 0, world_size: int = 1, *, until_end: bool = False,
                  max_events: int | None = None, start_offsets: dict[int, int] | None = None,
-                 metadata_timeout: float = 30.0, on_error: Callable[[str], None] = lambda code: None):
+                 committed: bool = True, metadata_timeout: float = 30.0,
+                 on_error: Callable[[str], None] = lambda code: None):
         self.config = config
         self.topic = config.topic
         self.on_error = on_error
         self.brokers_down = False
-        self.consumer = Consumer({
-            "error_cb": self._client_error,
-            **config.librdkafka(),
-            "group.id": config.group_id,
-            "enable.auto.commit": False,
-            "enable.auto.offset.store": False,
-            "enable.partition.eof": until_end,
-            "auto.offset.reset": "earliest",
-            "broker.address.family": "v4",
-            "fetch.wait.max.ms": 50,
-        })
+        self.consumer = Consumer(consumer_properties(config, until_end=until_end, error_cb=self._client_error))
         metadata = self.consumer.list_topics(self.topic, timeout=metadata_timeout)
         topic_meta = metadata.topics.get(self.topic)
         if topic_meta is None or topic_meta.error is not None or not topic_meta.partitions:
@@ -77,15 +72,24 @@ class KafkaSource:
                         "than others and will be busier", self.topic, len(all_partitions), world_size)
         self.next_offset: dict[int, int] = {}
         self.end_offset: dict[int, int] = {}
-        if start_offsets is None:
+        position = config.start_position()
+        if start_offsets is not None:  # a restored snapshot's; a partition it does not know starts at the beginning
+            origin = "the snapshot's positions"
+            starts = [TopicPartition(self.topic, p, start_offsets.get(p, OFFSET_BEGINNING)) for p in self.partitions]
+        elif position is not None:
+            origin = f"kafka.start_at {config.start_at}"
+            starts = self._positions_at(position, metadata_timeout)
+        elif committed:
+            origin = "the group's committed offsets, else the earliest"
             starts = retry(lambda: self.consumer.committed(
                 [TopicPartition(self.topic, p) for p in self.partitions], timeout=5),
                 Backoff(initial=0.5, maximum=0.5, timeout=metadata_timeout), retry_on=KafkaException,
                 retriable=_not_ready_yet,
                 on_retry=lambda error, _attempt, _wait: log.info("Kafka is not ready (%s); retrying",
                                                                  error.args[0].str()))
-        else:  # a restored snapshot's positions; a partition it does not know starts at the beginning
-            starts = [TopicPartition(self.topic, p, start_offsets.get(p, OFFSET_BEGINNING)) for p in self.partitions]
+        else:
+            origin = "the earliest offsets"
+            starts = [TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in self.partitions]
         assignment = []
         for tp in starts:
             start = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
@@ -100,8 +104,26 @@ class KafkaSource:
         self.max_events = max_events
         self.consumed = 0
         self.consumer.assign(assignment)
-        log.info("rank %d/%d owns partitions %s of %s (of %d); starting at %s", rank, world_size,
-                 self.partitions, self.topic, len(all_partitions), self.next_offset)
+        log.info("rank %d/%d owns partitions %s of %s (of %d); starting at %s (%s)", rank, world_size,
+                 self.partitions, self.topic, len(all_partitions), self.next_offset, origin)
+
+    def _positions_at(self, position: Literal["earliest", "latest"] | int, timeout: float) -> list[TopicPartition]:
+        """Each owned partition's offset for ``kafka.start_at``: its earliest, its end, or its first
+        message whose timestamp is at or after ``position`` (epoch ms), else its end."""
+        if position == "earliest":
+            return [TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in self.partitions]
+        if position == "latest":
+            found = [TopicPartition(self.topic, p, -1) for p in self.partitions]
+        elif self.partitions:
+            found = self.consumer.offsets_for_times(
+                [TopicPartition(self.topic, p, position) for p in self.partitions], timeout=timeout)
+        else:
+            found = []
+        for tp in found:
+            if tp.error is not None:
+                raise KafkaException(tp.error)
+        return [tp if tp.offset >= 0 else TopicPartition(self.topic, tp.partition, self.consumer.get_watermark_offsets(
+            tp, timeout=timeout, cached=False)[1]) for tp in found]
 
     def _client_error(self, error: KafkaError) -> None:
         self.on_error(error.name())
@@ -175,6 +197,27 @@ class KafkaSource:
 
     def close(self) -> None:
         self.consumer.close()
+
+
+def consumer_properties(config: KafkaConfig, *, until_end: bool,
+                        error_cb: Callable[[KafkaError], None]) -> dict[str, Any]:
+    """The consumer's librdkafka properties, secrets included; never log the result.
+
+    Defaults first, then ``kafka.client_config``, which may change them (an IPv6-only cluster needs
+    another broker.address.family), then what streamtrain owns (``OWNED_PROPERTIES``: the
+    config refuses them in client_config)."""
+    return {
+        "broker.address.family": "v4",
+        "fetch.wait.max.ms": 50,
+        **config.librdkafka(),
+        "group.id": config.group_id,
+        "enable.auto.commit": False,
+        "enable.auto.offset.store": False,
+        "enable.partition.eof": until_end,
+        "auto.offset.reset": "earliest",
+        "error_cb": error_cb,
+        "logger": KAFKA_LOG,
+    }
 
 
 def _not_ready_yet(error: KafkaException) -> bool:

@@ -29,9 +29,6 @@ from streamtrain.train import StepResult, Trainer, describe_plan, init_distribut
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_SECONDS = 30.0
-
-
 class StepObserver(Protocol):
     """Something the worker is handed that watches every step that trained events, e.g. a
     benchmark's run record."""
@@ -170,7 +167,7 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
             log.info("checkpoint.path has snapshots of its own: checkpoint.init_from %s is ignored",
                      config.checkpoint.init_from)
     source = KafkaSource(config.kafka, env.rank, env.world_size, until_end=until_end, max_events=max_events,
-                         start_offsets=(restored.next_offsets if restored else {}) if checkpointer else None,
+                         start_offsets=restored.next_offsets if restored else None, committed=checkpointer is None,
                          on_error=lambda code: metrics.kafka_errors.labels(code).inc())
     health.ready = True  # the state is restored and the broker answered the source's metadata request
     health.not_ready_reason = "the Kafka brokers are down"
@@ -186,8 +183,9 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
         checkpointer.save(snapshots.state.copy())
     steps = Lockstep(prefetcher, lambda: decoder.decode([]).batch, env.world_size, own_group(),
                      flush_after_seconds=config.batching.max_batch_wait_ms / 1000, questions=snapshots.questions(),
-                     heartbeat=health.beat)
-    _stop_on_signals(prefetcher, snapshots.request)
+                     heartbeat=health.beat, max_events=max_events)
+    shutdown = _Shutdown(config.distributed.shutdown_grace_seconds)
+    _stop_on_signals(prefetcher, snapshots.request, shutdown)
     progress = _Progress(metrics, env.rank, source.topic, config.metrics.log_interval_seconds,
                          prefetcher.queue.qsize, observers)
     exit_code = 0
@@ -210,7 +208,8 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
                   config.distributed.timeout_seconds, str(error).splitlines()[0] if str(error) else error)
         exit_code = 1
     finally:
-        prefetcher.join(timeout=SHUTDOWN_GRACE_SECONDS)
+        shutdown.begin()  # a signal began it already; else the end of the stream, max_events or a peer's stop
+        prefetcher.join(timeout=shutdown.remaining())
         try:
             # The prefetch thread has stopped: the consumer is called directly.
             snapshots.close(clean=exit_code == 0 and sys.exc_info()[0] is None, commit=source.commit)
@@ -218,6 +217,7 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
             rejections.close()
             source.close()
             metrics.close()
+            shutdown.end()
     log.info("rank %d stopped after %d steps, %s; positions %s", env.rank, trainer.step, progress.summary(),
              dict(sorted(snapshots.state.next_offsets.items())))
     for observer in observers:
@@ -225,31 +225,76 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
     return exit_code
 
 
+# Where a plain RuntimeError comes from when it is a collective's failure.
+_COLLECTIVE_MODULES = ("torch.distributed.", "torchrec.distributed.")
+
+
 def _is_collective_failure(error: RuntimeError) -> bool:
-    """Gloo and NCCL report a dead or stalled peer as a RuntimeError naming the transport."""
-    text = str(error)
-    return isinstance(error, dist.DistError) or "gloo" in text or "NCCL" in text
+    """Whether ``error`` is a peer that died or stopped answering. NCCL and the rendezvous store
+    raise ``DistError`` subclasses. torch 2.13's gloo raises a plain RuntimeError (checked with two
+    gloo processes, one killed, one stopped: "Connection closed by peer", "Timed out waiting"), so
+    that type is told apart by where it was raised: inside torch.distributed or TorchRec's
+    distributed modules, which wait on the collectives."""
+    if isinstance(error, dist.DistError):
+        return True
+    if type(error) is not RuntimeError or error.__traceback__ is None:
+        return False
+    innermost = error.__traceback__
+    while innermost.tb_next is not None:
+        innermost = innermost.tb_next
+    return str(innermost.tb_frame.f_globals.get("__name__", "")).startswith(_COLLECTIVE_MODULES)
 
 
-def _stop_on_signals(prefetcher: Prefetcher, request_snapshot: Callable[[], None]) -> None:
-    """SIGTERM/SIGINT: stop consuming, finish the batches in flight, exit; a watchdog bounds the wait.
-    SIGUSR1: take a snapshot now."""
+class _Shutdown:
+    """Bounds a stop: from ``begin()`` (a signal, or the end of training) to ``end()``, the final
+    snapshot included, at most ``grace`` seconds; past it ``give_up`` runs (the process exits 3).
+
+    A thread polls instead of a Timer so that ``begin()`` is a plain assignment, safe in a signal
+    handler and idempotent."""
+
+    def __init__(self, grace: float, give_up: Callable[[float], None] | None = None):
+        self.grace = grace
+        self.give_up = give_up or _give_up
+        self.began_at: float | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="streamtrain-shutdown-watchdog", daemon=True)
+        self.thread.start()
+
+    def begin(self) -> None:
+        self.began_at = self.began_at or time.monotonic()
+
+    def remaining(self) -> float:
+        began = self.began_at or time.monotonic()
+        return max(self.grace - (time.monotonic() - began), 0.0)
+
+    def end(self) -> None:
+        self.done.set()
+
+    def _watch(self) -> None:
+        while not self.done.wait(min(0.2, self.grace / 4)):
+            if self.began_at is not None and time.monotonic() - self.began_at > self.grace:
+                self.give_up(self.grace)
+                return
+
+
+def _stop_on_signals(prefetcher: Prefetcher, request_snapshot: Callable[[], None], shutdown: _Shutdown) -> None:
+    """SIGTERM/SIGINT: stop consuming, finish the batches in flight, exit, within the shutdown's
+    grace. SIGUSR1: take a snapshot now."""
     signal.signal(signal.SIGUSR1, lambda *_: request_snapshot())
 
     def handle(signum: int, _frame: object) -> None:
         if prefetcher.stopping.is_set():
             return
         log.info("%s received: finishing the batches in flight", signal.Signals(signum).name)
+        shutdown.begin()
         prefetcher.stop()
-        watchdog = threading.Timer(SHUTDOWN_GRACE_SECONDS, _give_up)
-        watchdog.daemon = True
-        watchdog.start()
 
     signal.signal(signal.SIGTERM, handle)
     signal.signal(signal.SIGINT, handle)
 
 
-def _give_up() -> None:
-    log.error("shutdown did not finish within %.0fs; exiting without a clean close", SHUTDOWN_GRACE_SECONDS)
+def _give_up(grace: float) -> None:
+    log.error("shutdown did not finish within %gs (distributed.shutdown_grace_seconds); exiting without a "
+              "clean close", grace)
     logging.shutdown()
     os._exit(3)

@@ -56,6 +56,14 @@ def test_env_override_of_a_missing_list_index_names_the_variable():
      "client_config_files"),
     (lambda c: c["features"]["tables"].append(dict(c["features"]["tables"][0])), "features",
      "repeated: ['user_id']"),
+    (lambda c: c["kafka"].update(client_config={"enable.auto.commit": "true"}), "kafka.client_config",
+     "cannot be overridden: the worker commits only trained"),
+    (lambda c: c["kafka"].update(client_config={"group.id": "g"}), "kafka.client_config", "set kafka.group_id"),
+    (lambda c: c["kafka"].update(client_config_files={"auto.offset.reset": "/x"}), "kafka.client_config_files",
+     "set kafka.start_at"),
+    (lambda c: c["kafka"].update(start_at="yesterday"), "kafka.start_at", "2026-11-30T12:00:00Z"),
+    (lambda c: c["kafka"].update(start_at="2026-11-30T12:00:00"), "kafka.start_at", "add one, e.g. 2026-11-30T12:00:00Z"),
+    (lambda c: c["kafka"].update(start_at=1764504000), "kafka.start_at", "give epoch milliseconds (1764504000000)"),
 ])
 def test_bad_config_names_the_field_and_the_fix(mutate, field, hint):
     raw = reference()
@@ -84,3 +92,47 @@ def test_missing_file_and_bad_yaml_are_clear(tmp_path):
     bad.write_text("kafka: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_an_unknown_environment_field_is_refused_naming_the_variable_and_the_nearest_field():
+    with pytest.raises(ConfigError) as error:
+        load_config(REFERENCE, environ={
+            "STREAMTRAIN_KAFKA__TOPICS": "clicks",
+            "STREAMTRAIN_FEATURES__TABLES__0__NUM_EMBEDDING": "10",
+            "STREAMTRAIN_BATCHING__BATCH_SIZE__X": "1",
+        })
+    message = str(error.value)
+    assert "STREAMTRAIN_KAFKA__TOPICS: kafka has no field 'topics'; did you mean STREAMTRAIN_KAFKA__TOPIC?" in message
+    assert "did you mean STREAMTRAIN_FEATURES__TABLES__0__NUM_EMBEDDINGS?" in message
+    assert "STREAMTRAIN_BATCHING__BATCH_SIZE__X: batching.batch_size is a value, not a section" in message
+
+
+def test_streamtrain_variables_without_a_field_path_are_not_config():
+    others = ["KAFKA_LIBS", "RUN_RECORD", "BENCH_RESULTS", "FUZZ_PAYLOADS", "TEST_KILL_TRIALS"]
+    config = load_config(REFERENCE, environ={f"STREAMTRAIN_{name}": "x" for name in others} | {
+        "STREAMTRAIN_KAFKA__CLIENT_CONFIG__SECURITY.PROTOCOL": "SSL"})
+    assert config.kafka.client_config["security.protocol"] == "SSL"
+
+
+def test_an_empty_plan_path_means_none():
+    config = load_config(REFERENCE, environ={"STREAMTRAIN_DISTRIBUTED__PLAN_PATH": ""})
+    assert config.distributed.plan_path is None
+
+
+def test_shutdown_grace_is_a_distributed_field():
+    assert load_config(REFERENCE, environ={}).distributed.shutdown_grace_seconds == 30.0
+    config = load_config(REFERENCE, environ={"STREAMTRAIN_DISTRIBUTED__SHUTDOWN_GRACE_SECONDS": "2.5"})
+    assert config.distributed.shutdown_grace_seconds == 2.5
+
+
+@pytest.mark.parametrize("given, position", [
+    ("earliest", "earliest"),
+    ("latest", "latest"),
+    ("1764504000123", 1764504000123),
+    ("2025-11-30T12:00:00Z", 1764504000000),
+    ("2025-11-30T13:00:00+01:00", 1764504000000),
+    (None, None),
+])
+def test_start_at_is_earliest_latest_or_a_time(given, position):
+    environ = {} if given is None else {"STREAMTRAIN_KAFKA__START_AT": given}
+    assert load_config(REFERENCE, environ=environ).kafka.start_position() == position

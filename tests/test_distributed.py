@@ -152,3 +152,16 @@ def test_nproc_launches_ranks_through_the_elastic_launcher(kafka, topic_name, st
     live.signal(signal.SIGTERM)
     assert live.wait(timeout=60) == 0, live.output()[-3000:]
     assert "stopped by SIGTERM" in live.output()
+
+
+def test_max_events_counts_across_ranks_and_stops_them_together(kafka, topic_name, start_ranks):
+    # Every event on partition 0, which rank 0 owns: rank 1 reads nothing, yet both stop.
+    produce(kafka.bootstrap_servers, topic_name, 3000, partitions=PARTITIONS, partition=0, seed=21,
+            schema_path=SCHEMA)
+    ranks = start_ranks(topic_name, 2, "--max-events", "1000")
+    assert [r.wait(timeout=180) for r in ranks] == [0, 0], ranks[0].output()[-3000:] + ranks[1].output()[-3000:]
+    assert "rank 0 stopped after" in ranks[0].output() and " 1,000 events trained" in ranks[0].output()
+    assert "rank 1 stopped after" in ranks[1].output() and " 0 events trained" in ranks[1].output()
+    steps = [int(r.output().split("stopped after ")[1].split(" steps")[0]) for r in ranks]
+    assert steps[0] == steps[1] > 0
+    assert committed_offsets(kafka, topic_name, f"group-{topic_name}")[0] == 1000

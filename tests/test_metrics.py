@@ -1,3 +1,5 @@
+import warnings
+
 import numpy as np
 import pytest
 
@@ -52,3 +54,14 @@ def test_ne_and_calibration_of_a_perfectly_calibrated_predictor():
     rate_only = ProgressiveQuality(window=p.size)
     rate_only.add(logit(np.full(p.size, y.mean())), y)
     assert rate_only.compute()["window"]["ne"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_progressive_quality_of_extreme_logits_does_not_overflow():
+    quality = ProgressiveQuality(window=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        quality.add(np.array([-1000.0, 1000.0, -1000.0, 1000.0]), np.array([0, 1, 1, 0]))
+        figures = quality.compute()["window"]
+    assert figures["auc"] == 0.5
+    assert figures["calibration"] == pytest.approx(1.0)  # two certain clicks predicted, two clicks
+    assert np.isfinite(figures["ne"])

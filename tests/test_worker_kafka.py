@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 
 import pytest
 from confluent_kafka import KafkaException
@@ -98,3 +99,41 @@ def test_bad_config_is_rejected_naming_the_field(tmp_path, kafka):
     assert result.returncode == 2
     assert "batching.batch_size" in result.stderr
     assert "greater than 0" in result.stderr
+
+
+def complete_snapshots(root) -> list:
+    return [p for p in root.glob("step-*") if not p.name.endswith(".partial")] if root.exists() else []
+
+
+def test_shutdown_grace_bounds_the_whole_shutdown_with_the_final_snapshot(kafka, topic_name, start_worker, tmp_path):
+    produce(kafka.bootstrap_servers, topic_name, 2_000, partitions=PARTITIONS, seed=5, schema_path=SCHEMA)
+    snapshots = tmp_path / "snapshots"
+    env = {"STREAMTRAIN_CHECKPOINT__PATH": str(snapshots)}
+    hurried = start_worker(topic_name, "--until-end",
+                           env={**env, "STREAMTRAIN_DISTRIBUTED__SHUTDOWN_GRACE_SECONDS": "0.01"})
+    assert hurried.wait(timeout=180) == 3, hurried.output()[-3000:]
+    assert "shutdown did not finish within 0.01s" in hurried.output()
+    assert complete_snapshots(snapshots) == []
+
+    patient = start_worker(topic_name, "--until-end",
+                           env={**env, "STREAMTRAIN_DISTRIBUTED__SHUTDOWN_GRACE_SECONDS": "60"})
+    assert patient.wait(timeout=180) == 0, patient.output()[-3000:]
+    assert "2,000 events trained" in patient.output()  # the hurried run's training was never durable
+    assert len(complete_snapshots(snapshots)) == 1
+
+
+def test_start_at_flag_starts_at_a_time_and_a_snapshot_wins_over_it(kafka, topic_name, start_worker, tmp_path):
+    produce(kafka.bootstrap_servers, topic_name, 600, partitions=PARTITIONS, seed=6, schema_path=SCHEMA)
+    time.sleep(0.05)  # Kafka stamps each message with its send time (CreateTime)
+    moment = datetime.now(UTC).isoformat()
+    time.sleep(0.05)
+    produce(kafka.bootstrap_servers, topic_name, 400, partitions=PARTITIONS, seed=7, schema_path=SCHEMA)
+    env = {"STREAMTRAIN_CHECKPOINT__PATH": str(tmp_path / "snapshots")}
+    first = start_worker(topic_name, "--until-end", "--start-at", moment, env=env)
+    assert first.wait(timeout=180) == 0, first.output()[-3000:]
+    assert " 400 events trained" in first.output()
+
+    produce(kafka.bootstrap_servers, topic_name, 300, partitions=PARTITIONS, seed=8, schema_path=SCHEMA)
+    second = start_worker(topic_name, "--until-end", "--start-at", "earliest", env=env)
+    assert second.wait(timeout=180) == 0, second.output()[-3000:]
+    assert " 300 events trained" in second.output()  # from the snapshot's positions, not the earliest
