@@ -112,6 +112,7 @@ def fnv1a64(text: str | bytes) -> int:
 @dataclass(frozen=True)
 class Sink:
     """An instruction that takes the value just read: ID, DENSE, LABEL or TIME, with its operands."""
+
     op: int
     operands: tuple[int, ...] = ()
     note: str = ""  # for describe(): which table, column, ...
@@ -120,6 +121,7 @@ class Sink:
 @dataclass
 class FeaturePlan:
     """Reader field paths -> sinks, from the feature config and the reader schema."""
+
     sinks: dict[tuple[str, ...], list[Sink]] = field(default_factory=dict)
 
     def add(self, path: str, sink: Sink) -> None:
@@ -140,7 +142,7 @@ class Program:
         while pc < len(code):
             op = code[pc]
             count = 1 + code[pc + 1] if op in (ENUM, UNION) else _OPERANDS[op]
-            operands = code[pc + 1: pc + 1 + count]
+            operands = code[pc + 1 : pc + 1 + count]
             text = " ".join(str(o) for o in operands)
             if op == CONST_FLOAT:
                 text = repr(struct.unpack("<d", struct.pack("<q", operands[0]))[0])
@@ -152,8 +154,16 @@ class Program:
 
 
 _PRIMITIVES = {"null", "boolean", "int", "long", "float", "double", "bytes", "string"}
-_PROMOTIONS = {("int", "long"), ("int", "float"), ("int", "double"), ("long", "float"), ("long", "double"),
-               ("float", "double"), ("string", "bytes"), ("bytes", "string")}
+_PROMOTIONS = {
+    ("int", "long"),
+    ("int", "float"),
+    ("int", "double"),
+    ("long", "float"),
+    ("long", "double"),
+    ("float", "double"),
+    ("string", "bytes"),
+    ("bytes", "string"),
+}
 _NAMED = {"record", "error", "enum", "fixed"}
 
 
@@ -239,8 +249,11 @@ class _Compiler:
             return
         if not self.matches(w, r):
             raise Unresolvable(f"{'.'.join(path) or 'record'}: writer {wt} cannot be read as {rt}")
-        if path in self.plan.sinks and wt in ("record", "error", "array", "map", "fixed") and \
-                not (wt == "array" and _type(self.deref(r["items"], self.reader_names)) in _PRIMITIVES | {"enum"}):
+        if (
+            path in self.plan.sinks
+            and wt in ("record", "error", "array", "map", "fixed")
+            and not (wt == "array" and _type(self.deref(r["items"], self.reader_names)) in _PRIMITIVES | {"enum"})
+        ):
             raise Unsupported(f"{'.'.join(path)}: a {wt} cannot be a feature")
         if wt in ("record", "error"):
             self.record(w, r, path)
@@ -252,8 +265,14 @@ class _Compiler:
             self.emit(ENUM, len(w["symbols"]), *[index.get(s, fallback) for s in w["symbols"]])
             self.sinks(path, "enum")
         elif wt in ("array", "map"):
-            self.blocks(w, lambda: self.resolve(w["items"], r["items"], path) if wt == "array"
-                        else self.resolve(w["values"], r["values"], path + ("*",)))
+            self.blocks(
+                w,
+                lambda: (
+                    self.resolve(w["items"], r["items"], path)
+                    if wt == "array"
+                    else self.resolve(w["values"], r["values"], path + ("*",))
+                ),
+            )
         elif wt == "fixed":
             if w["size"] != r["size"]:
                 raise Unresolvable(f"{'.'.join(path) or 'record'}: fixed sizes differ")
@@ -496,8 +515,25 @@ def run_batch(
     first, stop = np.zeros(n, np.int64), np.zeros(n, np.int64)
     event, count = 0, 0
     while True:
-        event, count = run_programs(buf, starts, ends, entry, code, clip, status, lengths, dense, labels, times,
-                                    rows, row_table, first, stop, event, count)
+        event, count = run_programs(
+            buf,
+            starts,
+            ends,
+            entry,
+            code,
+            clip,
+            status,
+            lengths,
+            dense,
+            labels,
+            times,
+            rows,
+            row_table,
+            first,
+            stop,
+            event,
+            count,
+        )
         if event == n:
             return rows[:count], row_table[:count], first, stop
         rows = np.concatenate((rows, np.empty_like(rows)))
@@ -767,8 +803,12 @@ def parse_frames(buf: U8, starts: I64, ends: I64, status: I8, schema_ids: I64) -
         if ends[e] - pos < 5 or buf[pos] != 0:
             status[e] = BAD_MAGIC_BYTE
             continue
-        schema_ids[e] = (np.int64(buf[pos + 1]) << 24) | (np.int64(buf[pos + 2]) << 16) | \
-            (np.int64(buf[pos + 3]) << 8) | np.int64(buf[pos + 4])
+        schema_ids[e] = (
+            (np.int64(buf[pos + 1]) << 24)
+            | (np.int64(buf[pos + 2]) << 16)
+            | (np.int64(buf[pos + 3]) << 8)
+            | np.int64(buf[pos + 4])
+        )
         starts[e] = pos + 5
 
 
@@ -778,4 +818,4 @@ def float64_bits(value: float) -> int:
 
 def is_finite_float32(value: float) -> bool:
     """Whether a float64 stays finite as a float32 (values past float32's range round to inf)."""
-    return math.isfinite(value) and abs(value) < (2 - 2 ** -24) * 2 ** 127
+    return math.isfinite(value) and abs(value) < (2 - 2**-24) * 2**127

@@ -37,8 +37,15 @@ class Prefetcher:
     committed, since only this thread may call the consumer.
     """
 
-    def __init__(self, source: KafkaSource, decoder: AvroBatchDecoder, config: BatchingConfig,
-                 metrics: WorkerMetrics, rejections: Rejections, lag_refresh_seconds: float = 5.0):
+    def __init__(
+        self,
+        source: KafkaSource,
+        decoder: AvroBatchDecoder,
+        config: BatchingConfig,
+        metrics: WorkerMetrics,
+        rejections: Rejections,
+        lag_refresh_seconds: float = 5.0,
+    ):
         self.source = source
         self.decoder = decoder
         self.config = config

@@ -62,6 +62,7 @@ class SnapshotsFailing(CheckpointError):
 class StreamState:
     """Where the stream stood at a snapshot: the next offset and the trained-event count of every
     partition (all ranks' partitions, gathered), the step, and the newest event time trained."""
+
     step: int = 0
     next_offsets: dict[int, int] = field(default_factory=dict)
     trained: dict[int, int] = field(default_factory=dict)
@@ -73,17 +74,23 @@ class StreamState:
     @classmethod
     def from_json(cls, text: str) -> StreamState:
         raw = json.loads(text)
-        return cls(step=raw["step"], next_offsets={int(p): o for p, o in raw["next_offsets"].items()},
-                   trained={int(p): n for p, n in raw["trained"].items()},
-                   event_time_high_water_ms=raw["event_time_high_water_ms"])
+        return cls(
+            step=raw["step"],
+            next_offsets={int(p): o for p, o in raw["next_offsets"].items()},
+            trained={int(p): n for p, n in raw["trained"].items()},
+            event_time_high_water_ms=raw["event_time_high_water_ms"],
+        )
 
     def copy(self) -> StreamState:
         return StreamState(self.step, dict(self.next_offsets), dict(self.trained), self.event_time_high_water_ms)
 
     def merged(self, other: StreamState) -> StreamState:
-        return StreamState(max(self.step, other.step), {**self.next_offsets, **other.next_offsets},
-                           {**self.trained, **other.trained},
-                           max(self.event_time_high_water_ms, other.event_time_high_water_ms))
+        return StreamState(
+            max(self.step, other.step),
+            {**self.next_offsets, **other.next_offsets},
+            {**self.trained, **other.trained},
+            max(self.event_time_high_water_ms, other.event_time_high_water_ms),
+        )
 
 
 def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
@@ -103,8 +110,14 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
     return {
         "version": FINGERPRINT_VERSION,
         "tables": {
-            t.name: {"rows": t.num_embeddings, "dim": t.embedding_dim, "pooling": t.pooling, "field": t.field,
-                     "field_kind": field_kind(schema, t.field), "id_mapping": t.id_mapping}
+            t.name: {
+                "rows": t.num_embeddings,
+                "dim": t.embedding_dim,
+                "pooling": t.pooling,
+                "field": t.field,
+                "field_kind": field_kind(schema, t.field),
+                "id_mapping": t.id_mapping,
+            }
             for t in config.features.tables
         },
         "table_order": [t.name for t in config.features.tables],
@@ -115,24 +128,32 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
     }
 
 
-def fingerprint_differences(ours: dict[str, Any], theirs: dict[str, Any],
-                            config: WorkerConfig) -> list[str]:
+def fingerprint_differences(ours: dict[str, Any], theirs: dict[str, Any], config: WorkerConfig) -> list[str]:
     """Why a snapshot's fingerprint (``theirs``) does not fit this worker's; empty if it does."""
     if theirs.get("version") != FINGERPRINT_VERSION:
         # A version-1 fingerprint hashed whole sections: equal to this config's means nothing
         # changed; unequal cannot tell a changed shape from a changed learning rate.
         old = _fingerprint_v1(config)
         changed = sorted(k for k in old if theirs.get(k) != old[k])
-        return [f"the {' and '.join(changed)} configuration (the snapshot carries a version-1 fingerprint, which "
+        return (
+            [
+                f"the {' and '.join(changed)} configuration (the snapshot carries a version-1 fingerprint, which "
                 f"cannot tell whether the change shapes any tensor; restore it once with the config it was "
-                f"written with, and the snapshots after carry version {FINGERPRINT_VERSION})"] if changed else []
+                f"written with, and the snapshots after carry version {FINGERPRINT_VERSION})"
+            ]
+            if changed
+            else []
+        )
     return _differences(ours, theirs, "")
 
 
 def _differences(ours: Any, theirs: Any, where: str) -> list[str]:
     if isinstance(ours, dict) and isinstance(theirs, dict):
-        return [d for k in sorted(set(ours) | set(theirs), key=str)
-                for d in _differences(ours.get(k), theirs.get(k), f"{where}.{k}" if where else str(k))]
+        return [
+            d
+            for k in sorted(set(ours) | set(theirs), key=str)
+            for d in _differences(ours.get(k), theirs.get(k), f"{where}.{k}" if where else str(k))
+        ]
     return [] if ours == theirs else [f"{where}: {theirs!r} in the snapshot, {ours!r} here"]
 
 
@@ -177,7 +198,7 @@ class SnapshotInfo:
 
 
 def _step_of(name: str) -> int | None:
-    stem = name[:-len(PARTIAL)] if name.endswith(PARTIAL) else name
+    stem = name[: -len(PARTIAL)] if name.endswith(PARTIAL) else name
     if stem.startswith("step-") and stem[5:].isdigit():
         return int(stem[5:])
     return None
@@ -281,7 +302,6 @@ class Checkpointer:
             fs, base = _fs(self.root)
             fs.makedirs(base, exist_ok=True)
 
-
     # --- what goes in ---------------------------------------------------------------------
     def _state_dict(self, stream_json: str) -> dict[str, Any]:
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "stream": stream_json}
@@ -305,8 +325,12 @@ class Checkpointer:
         self.last_attempt_step = stream.step
         try:
             # async_save stages (copies) the state before it returns: training may go on at once.
-            future = dcp.async_save(self._state_dict(stream.to_json()), storage_writer=writer, process_group=self.group,
-                                    async_checkpointer_type=_ASYNC_MODES[self.config.async_mode])
+            future = dcp.async_save(
+                self._state_dict(stream.to_json()),
+                storage_writer=writer,
+                process_group=self.group,
+                async_checkpointer_type=_ASYNC_MODES[self.config.async_mode],
+            )
         except Exception as error:  # failed here on this rank only: finish_save makes every rank agree
             future = Future()
             future.set_exception(error)
@@ -372,8 +396,14 @@ class Checkpointer:
         self.last_failure = f"step {step}: {reason}"
         if self.metrics:
             self.metrics.checkpoint_failures.inc()
-        log.error("rank %d: snapshot at step %d failed (%d in a row; the worker exits at %d): %s", self.rank, step,
-                  self.consecutive_failures, self.config.max_consecutive_failures, reason)
+        log.error(
+            "rank %d: snapshot at step %d failed (%d in a row; the worker exits at %d): %s",
+            self.rank,
+            step,
+            self.consecutive_failures,
+            self.config.max_consecutive_failures,
+            reason,
+        )
         if self.rank == 0:
             fs, partial = _fs(partial_path)
             try:
@@ -383,10 +413,12 @@ class Checkpointer:
                 log.warning("could not remove %s: %s", partial_path, cleanup_error)
 
     def failing_message(self) -> str:
-        return (f"{self.consecutive_failures} snapshots in a row failed (checkpoint.max_consecutive_failures is "
-                f"{self.config.max_consecutive_failures}); the last at {self.last_failure}. Training on would pile "
-                f"up work that a crash loses. Check free space and permissions of {self.root}; a restart resumes "
-                f"from the last committed snapshot. Exiting with code {EXIT_SNAPSHOTS_FAILING}.")
+        return (
+            f"{self.consecutive_failures} snapshots in a row failed (checkpoint.max_consecutive_failures is "
+            f"{self.config.max_consecutive_failures}); the last at {self.last_failure}. Training on would pile "
+            f"up work that a crash loses. Check free space and permissions of {self.root}; a restart resumes "
+            f"from the last committed snapshot. Exiting with code {EXIT_SNAPSHOTS_FAILING}."
+        )
 
     def _commit(self, partial_path: str, final_path: str, stream: StreamState, seconds: float) -> None:
         fs, partial = _fs(partial_path)
@@ -396,8 +428,11 @@ class Checkpointer:
             "stream": json.loads(stream.to_json()),
             "world_size": self.world_size,
             "fingerprint": self.fingerprint,
-            "versions": {"torch": torch.__version__, "torchrec": _version("torchrec"),
-                         "fbgemm_gpu": _version("fbgemm_gpu")},
+            "versions": {
+                "torch": torch.__version__,
+                "torchrec": _version("torchrec"),
+                "fbgemm_gpu": _version("fbgemm_gpu"),
+            },
             "wall_time": time.time(),
             "save_seconds": round(seconds, 3),
         }
@@ -439,8 +474,13 @@ class Checkpointer:
             return None
         snapshot, stream = loaded
         assert stream is not None and snapshot.metadata is not None
-        log.info("restored %s: step %d, written by %d rank(s); positions %s", snapshot.path, stream.step,
-                 snapshot.metadata.get("world_size"), dict(sorted(stream.next_offsets.items())))
+        log.info(
+            "restored %s: step %d, written by %d rank(s); positions %s",
+            snapshot.path,
+            stream.step,
+            snapshot.metadata.get("world_size"),
+            dict(sorted(stream.next_offsets.items())),
+        )
         self.last_saved_step = self.last_attempt_step = stream.step
         if self.metrics:
             self.metrics.checkpoint_last_success.set(snapshot.metadata.get("wall_time", time.time()))
@@ -450,20 +490,30 @@ class Checkpointer:
         """Load the weights (and ``with_optimizer``, the optimizer state) of another run's snapshot:
         ``source`` is a ``step-<N>`` folder, or a checkpoint.path whose newest complete snapshot is
         taken. Its positions are not: the stream starts as in a fresh run."""
-        candidates = [verify_snapshot(source)] if _step_of(source.rstrip("/").rsplit("/", 1)[-1]) is not None \
+        candidates = (
+            [verify_snapshot(source)]
+            if _step_of(source.rstrip("/").rsplit("/", 1)[-1]) is not None
             else list_snapshots(source)
+        )
         parts = ("model", "optimizer") if with_optimizer else ("model",)
         loaded = self._load_agreed(candidates, allow_partial, parts)
         if loaded is None:
-            raise CheckpointError(f"checkpoint.init_from {source} holds no snapshot that every rank can load (see "
-                                  f"the warnings above); fix or remove checkpoint.init_from to start from scratch")
+            raise CheckpointError(
+                f"checkpoint.init_from {source} holds no snapshot that every rank can load (see "
+                f"the warnings above); fix or remove checkpoint.init_from to start from scratch"
+            )
         snapshot = loaded[0]
-        log.info("warm start: weights%s from %s (step %d, written by %s rank(s)); positions not taken from it",
-                 " and optimizer state" if with_optimizer else "", snapshot.path, snapshot.step,
-                 (snapshot.metadata or {}).get("world_size"))
+        log.info(
+            "warm start: weights%s from %s (step %d, written by %s rank(s)); positions not taken from it",
+            " and optimizer state" if with_optimizer else "",
+            snapshot.path,
+            snapshot.step,
+            (snapshot.metadata or {}).get("world_size"),
+        )
 
-    def _load_agreed(self, snapshots: list[SnapshotInfo], allow_partial: bool,
-                     parts: tuple[str, ...]) -> tuple[SnapshotInfo, StreamState | None] | None:
+    def _load_agreed(
+        self, snapshots: list[SnapshotInfo], allow_partial: bool, parts: tuple[str, ...]
+    ) -> tuple[SnapshotInfo, StreamState | None] | None:
         """Every rank loads ``parts`` of the same snapshot: the newest each rank verifies (the
         MIN over ranks); if any rank cannot verify or load it, all fall back to the next older
         one together. Ranks that restored different cuts would train from mixed positions."""
@@ -472,8 +522,7 @@ class Checkpointer:
         verified = {s.step: s for s in snapshots if s.complete}
         below: int | None = None
         while True:  # ends: each turn lowers ``below`` to a step some rank verified, or to -1
-            step = self._agree(max((s for s in verified if below is None or s < below), default=-1),
-                               dist.ReduceOp.MIN)
+            step = self._agree(max((s for s in verified if below is None or s < below), default=-1), dist.ReduceOp.MIN)
             if step < 0:
                 return None
             below = step
@@ -481,8 +530,9 @@ class Checkpointer:
             differences: list[str] = []
             if snapshot is not None:
                 assert snapshot.metadata is not None  # a complete snapshot has its marker
-                differences = fingerprint_differences(self.fingerprint, snapshot.metadata.get("fingerprint", {}),
-                                                      self.worker_config)
+                differences = fingerprint_differences(
+                    self.fingerprint, snapshot.metadata.get("fingerprint", {}), self.worker_config
+                )
             refused = bool(differences) and not allow_partial
             # 0: every rank loads it; 1: some rank cannot verify it; 2: some rank refuses it
             verdict = self._agree(1 if snapshot is None else 2 if refused else 0, dist.ReduceOp.MAX)
@@ -492,10 +542,14 @@ class Checkpointer:
                     f"{'; '.join(differences) or 'another rank refused it (see its log)'}. "
                     f"Its tensors would not mean the same thing here. Restore it with the config it was written "
                     f"with, point checkpoint.path elsewhere to start fresh, or pass --allow-partial-restore to "
-                    f"load only the tensors whose names and shapes still match.")
+                    f"load only the tensors whose names and shapes still match."
+                )
             if verdict == 1:
-                log.warning("skipping the snapshot at step %d: %s", step, "this rank cannot verify it"
-                            if snapshot is None else "another rank cannot verify it (see its log)")
+                log.warning(
+                    "skipping the snapshot at step %d: %s",
+                    step,
+                    "this rank cannot verify it" if snapshot is None else "another rank cannot verify it (see its log)",
+                )
                 continue
             assert snapshot is not None
             stream, error = None, None
@@ -505,8 +559,11 @@ class Checkpointer:
                 error = load_error
             if self._all_ok(error is None):
                 return snapshot, stream
-            log.warning("skipping snapshot %s: loading it failed %s", snapshot.path,
-                        f"here: {_first_line(error)}" if error else "on another rank (see its log)")
+            log.warning(
+                "skipping snapshot %s: loading it failed %s",
+                snapshot.path,
+                f"here: {_first_line(error)}" if error else "on another rank (see its log)",
+            )
 
     def _load(self, path: str, partial: bool, parts: tuple[str, ...]) -> StreamState | None:
         if "optimizer" in parts:
@@ -515,8 +572,12 @@ class Checkpointer:
         reader = _fsspec_reader(path) if _is_url(path) else FileSystemReader(_fs(path)[1])
         if partial:
             state = _matching_only(state, reader.read_metadata())
-        dcp.load(state, storage_reader=reader, process_group=self.group,
-                 planner=DefaultLoadPlanner(allow_partial_load=partial))
+        dcp.load(
+            state,
+            storage_reader=reader,
+            process_group=self.group,
+            planner=DefaultLoadPlanner(allow_partial_load=partial),
+        )
         self.model.load_state_dict(state["model"], strict=not partial)
         if "optimizer" in parts and not partial:
             # DCP filled the optimizer's state tensors in place; this restores the rest (steps,
@@ -531,13 +592,17 @@ def _matching_only(state: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
 
     def keep(prefix: str, value: Any) -> bool:
         entry = saved.get(prefix)
-        return entry is not None and (not hasattr(value, "shape") or not hasattr(entry, "size")
-                                      or tuple(entry.size) == tuple(value.shape))
+        return entry is not None and (
+            not hasattr(value, "shape") or not hasattr(entry, "size") or tuple(entry.size) == tuple(value.shape)
+        )
 
     def walk(prefix: str, node: Any) -> Any:
         if isinstance(node, dict):
-            return {k: v for k, v in ((k, walk(f"{prefix}.{k}" if prefix else k, v)) for k, v in node.items())
-                    if v is not _DROP}
+            return {
+                k: v
+                for k, v in ((k, walk(f"{prefix}.{k}" if prefix else k, v)) for k, v in node.items())
+                if v is not _DROP
+            }
         return node if keep(prefix, node) else _DROP
 
     return walk("", state)

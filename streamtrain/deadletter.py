@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from typing import Callable
+from collections.abc import Callable
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 from confluent_kafka.admin import AdminClient
@@ -69,19 +69,21 @@ class DeadLetterWriter:
 
     def _new_producer(self) -> Producer:
         self._fatal = None
-        return Producer({
-            "broker.address.family": "v4",  # as the consumer; kafka.client_config may override it
-            **self.kafka.librdkafka(),
-            "error_cb": self._client_error,
-            "logger": KAFKA_LOG,
-            "enable.idempotence": True,
-            "acks": "all",
-            "partitioner": "murmur2_random",  # the Java client's: one key, one dead-letter partition
-            "linger.ms": 5,
-            "message.timeout.ms": max(int(self.config.delivery_timeout_seconds * 1000), 100),
-            # An absent topic fails the attempt within it, instead of librdkafka's 30 s default.
-            "topic.metadata.propagation.max.ms": max(int(self.config.delivery_timeout_seconds * 1000), 100),
-        })
+        return Producer(
+            {
+                "broker.address.family": "v4",  # as the consumer; kafka.client_config may override it
+                **self.kafka.librdkafka(),
+                "error_cb": self._client_error,
+                "logger": KAFKA_LOG,
+                "enable.idempotence": True,
+                "acks": "all",
+                "partitioner": "murmur2_random",  # the Java client's: one key, one dead-letter partition
+                "linger.ms": 5,
+                "message.timeout.ms": max(int(self.config.delivery_timeout_seconds * 1000), 100),
+                # An absent topic fails the attempt within it, instead of librdkafka's 30 s default.
+                "topic.metadata.propagation.max.ms": max(int(self.config.delivery_timeout_seconds * 1000), 100),
+            }
+        )
 
     def _client_error(self, error: KafkaError) -> None:
         self.metrics.kafka_errors.labels(error.name()).inc()
@@ -94,17 +96,30 @@ class DeadLetterWriter:
         admin = AdminClient({"broker.address.family": "v4", **self.kafka.librdkafka(), "logger": KAFKA_LOG})
         try:
             topic = admin.list_topics(self.topic, timeout=timeout).topics.get(self.topic)
-            problem = None if topic is not None and topic.error is None and topic.partitions else (
-                topic.error.str() if topic is not None and topic.error is not None else "it does not exist")
+            problem = (
+                None
+                if topic is not None and topic.error is None and topic.partitions
+                else (topic.error.str() if topic is not None and topic.error is not None else "it does not exist")
+            )
         except KafkaException as error:
             problem = f"its metadata could not be read: {error}"
         if problem is None:
-            log.info("events that cannot be decoded go to the dead-letter topic %s (%d partitions), with "
-                     "header %s saying why", self.topic, len(topic.partitions), HEADER_REASON)
+            log.info(
+                "events that cannot be decoded go to the dead-letter topic %s (%d partitions), with "
+                "header %s saying why",
+                self.topic,
+                len(topic.partitions),
+                HEADER_REASON,
+            )
         else:
-            log.error("the dead-letter topic %s cannot take events (%s): the first event that cannot be decoded "
-                      "will block consumption of %s until it can; create it like the source topic, or set "
-                      "dead_letter.topic", self.topic, problem, self.source_topic)
+            log.error(
+                "the dead-letter topic %s cannot take events (%s): the first event that cannot be decoded "
+                "will block consumption of %s until it can; create it like the source topic, or set "
+                "dead_letter.topic",
+                self.topic,
+                problem,
+                self.source_topic,
+            )
 
     def write(self, rejected: list[tuple[RawEvent, str]], stopping: threading.Event) -> bool:
         """Produces every rejected event and waits until each is acknowledged by all in-sync
@@ -139,31 +154,52 @@ class DeadLetterWriter:
                 blocked_since = time.monotonic()
                 self.metrics.dead_letter_blocked.set(1)
             first = min(failures, key=lambda f: (f[0].partition, f[0].offset))[0]
-            log.error("cannot write %d dead letters to %s (%s): consumption of %s is BLOCKED at partition %d "
-                      "offset %d until they are written; attempt %d, retrying in %.1fs", len(failures), self.topic,
-                      "; ".join(f"{code} x{n}: {_first_message(failures, code)}" for code, n in codes.items()),
-                      self.source_topic, first.partition, first.offset, attempt, wait)
+            log.error(
+                "cannot write %d dead letters to %s (%s): consumption of %s is BLOCKED at partition %d "
+                "offset %d until they are written; attempt %d, retrying in %.1fs",
+                len(failures),
+                self.topic,
+                "; ".join(f"{code} x{n}: {_first_message(failures, code)}" for code, n in codes.items()),
+                self.source_topic,
+                first.partition,
+                first.offset,
+                attempt,
+                wait,
+            )
             if self._fatal is not None:
                 log.error("the dead-letter producer failed fatally (%s); starting a new one", self._fatal.str())
                 self._producer.purge()
                 self._producer = self._new_producer()
 
         try:
-            written = retry(deliver, Backoff(initial=self.config.retry_backoff_seconds,
-                                             maximum=self.config.retry_backoff_max_seconds),
-                            retry_on=_Unwritten, on_retry=blocked, stopping=stopping)
+            written = retry(
+                deliver,
+                Backoff(initial=self.config.retry_backoff_seconds, maximum=self.config.retry_backoff_max_seconds),
+                retry_on=_Unwritten,
+                on_retry=blocked,
+                stopping=stopping,
+            )
         except _Unwritten as unwritten:  # only a stop ends the retries with events unwritten
-            log.error("stopping while %d dead letters are unwritten: their batch is not trained, and the "
-                      "events are read again on the next start", len(unwritten.failures))
+            log.error(
+                "stopping while %d dead letters are unwritten: their batch is not trained, and the "
+                "events are read again on the next start",
+                len(unwritten.failures),
+            )
             return False
         if written and blocked_since is not None:
             self.metrics.dead_letter_blocked.set(0)
-            log.warning("the dead-letter topic %s took the events after %d attempts and %.1fs: consuming "
-                        "%s again", self.topic, attempts, time.monotonic() - blocked_since, self.source_topic)
+            log.warning(
+                "the dead-letter topic %s took the events after %d attempts and %.1fs: consuming %s again",
+                self.topic,
+                attempts,
+                time.monotonic() - blocked_since,
+                self.source_topic,
+            )
         return written
 
-    def _attempt(self, pending: list[tuple[RawEvent, str]], stopping: threading.Event
-                 ) -> tuple[list[tuple[RawEvent, str]], list[tuple[RawEvent, str, KafkaError]]] | None:
+    def _attempt(
+        self, pending: list[tuple[RawEvent, str]], stopping: threading.Event
+    ) -> tuple[list[tuple[RawEvent, str]], list[tuple[RawEvent, str, KafkaError]]] | None:
         """One try at writing ``pending``: those written and those that failed, or None if a stop
         cut it short."""
         results: list[KafkaError | bool | None] = [None] * len(pending)
@@ -178,13 +214,23 @@ class DeadLetterWriter:
             headers.append((HEADER_REASON, code.encode()))
             if code != reason:
                 headers.append((HEADER_DETAIL, reason.encode()))
-            headers += [(HEADER_TOPIC, self.source_topic.encode()), (HEADER_PARTITION, b"%d" % event.partition),
-                        (HEADER_OFFSET, b"%d" % event.offset), (HEADER_GROUP, self.kafka.group_id.encode())]
+            headers += [
+                (HEADER_TOPIC, self.source_topic.encode()),
+                (HEADER_PARTITION, b"%d" % event.partition),
+                (HEADER_OFFSET, b"%d" % event.offset),
+                (HEADER_GROUP, self.kafka.group_id.encode()),
+            ]
             timestamp = {"timestamp": event.timestamp_ms} if event.timestamp_ms > 0 else {}
             while True:
                 try:
-                    producer.produce(self.topic, value=event.value, key=event.key, headers=headers,
-                                     on_delivery=delivered(index), **timestamp)
+                    producer.produce(
+                        self.topic,
+                        value=event.value,
+                        key=event.key,
+                        headers=headers,
+                        on_delivery=delivered(index),
+                        **timestamp,
+                    )
                     break
                 except BufferError:  # the local queue is full: let it drain
                     producer.poll(0.1)
@@ -201,9 +247,12 @@ class DeadLetterWriter:
                 break
             producer.flush(0.1)
         timed_out = KafkaError(KafkaError._MSG_TIMED_OUT, "no delivery report within the attempt")
-        written = [item for item, result in zip(pending, results) if result is True]
-        failures = [(event, reason, timed_out if result is None else result)
-                    for (event, reason), result in zip(pending, results) if result is not True]
+        written = [item for item, result in zip(pending, results, strict=True) if result is True]
+        failures = [
+            (event, reason, timed_out if result is None else result)
+            for (event, reason), result in zip(pending, results, strict=True)
+            if result is not True
+        ]
         return written, failures
 
     def _count(self, written: list[tuple[RawEvent, str]]) -> None:
@@ -221,9 +270,14 @@ class DeadLetterWriter:
         """Logs what was dead-lettered since the last summary; the first one at once."""
         if self._summary:
             self._summarised = True
-            log.warning("%d events of %s could not be decoded and went to %s in the last %.0fs: %s",
-                        sum(self._summary.values()), self.source_topic, self.topic,
-                        time.monotonic() - self._summary_since, _describe(self._summary))
+            log.warning(
+                "%d events of %s could not be decoded and went to %s in the last %.0fs: %s",
+                sum(self._summary.values()),
+                self.source_topic,
+                self.topic,
+                time.monotonic() - self._summary_since,
+                _describe(self._summary),
+            )
         self._summary = Counter()
         self._summary_since = time.monotonic()
 
@@ -236,8 +290,13 @@ class ErrorRateLimit:
     """Pauses when more than ``max_error_rate`` of the last ``window_events`` events (at least)
     were rejected, for ``pause_seconds``; then starts a fresh window."""
 
-    def __init__(self, max_error_rate: float, window_events: int, pause_seconds: float,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        max_error_rate: float,
+        window_events: int,
+        pause_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.max_error_rate = max_error_rate
         self.window_events = window_events
         self.pause_seconds = pause_seconds
@@ -311,8 +370,10 @@ class Rejections:
             if rank == 0:
                 self.writer.check_topic()
         elif rank == 0:
-            log.warning("dead_letter.enabled is false: events that cannot be decoded are logged, counted in "
-                        "streamtrain_decode_errors_total and LOST")
+            log.warning(
+                "dead_letter.enabled is false: events that cannot be decoded are logged, counted in "
+                "streamtrain_decode_errors_total and LOST"
+            )
         self.limit: ErrorRateLimit | None = None
         if config.max_error_rate < 1.0:
             self.limit = ErrorRateLimit(config.max_error_rate, config.window_events, config.pause_seconds)
@@ -325,7 +386,8 @@ class Rejections:
         if rejected:
             reasons = Counter(reason_code(reason) for _event, reason in rejected)
             for (partition, code), n in Counter(
-                    (event.partition, reason_code(reason)) for event, reason in rejected).items():
+                (event.partition, reason_code(reason)) for event, reason in rejected
+            ).items():
                 self.metrics.events_dropped.labels(self.topic, str(partition), code).inc(n)
             for code, n in reasons.items():
                 self.metrics.decode_errors.labels(code).inc(n)
@@ -334,9 +396,16 @@ class Rejections:
                     return False
             else:
                 event, reason = rejected[0]
-                log.warning("skipping %d events of %s that cannot be decoded (dead_letter.enabled is false: they are "
-                            "lost): %s; the first at partition %d offset %d: %s", len(rejected), self.topic,
-                            _describe(reasons), event.partition, event.offset, reason)
+                log.warning(
+                    "skipping %d events of %s that cannot be decoded (dead_letter.enabled is false: they are "
+                    "lost): %s; the first at partition %d offset %d: %s",
+                    len(rejected),
+                    self.topic,
+                    _describe(reasons),
+                    event.partition,
+                    event.offset,
+                    reason,
+                )
         if self.limit is not None:
             self._watch_rate(events_read, reasons)
         return True
@@ -350,11 +419,19 @@ class Rejections:
         self.metrics.consumption_pauses.inc()
         self.metrics.consumption_paused.set(1)
         rejected, window = sum(seen.values()), limit.tripped_at_events
-        log.error("PAUSING consumption of %s for %.0fs: %d of the last %d events could not be decoded (%.0f%%, over "
-                  "dead_letter.max_error_rate %.0f%%): %s. The topic may be poisoned: check its producers; the "
-                  "rejected events are in %s", self.topic, limit.pause_seconds, rejected, window,
-                  100 * rejected / window, 100 * limit.max_error_rate, _describe(seen),
-                  self.writer.topic if self.writer is not None else "no dead-letter topic (disabled)")
+        log.error(
+            "PAUSING consumption of %s for %.0fs: %d of the last %d events could not be decoded (%.0f%%, over "
+            "dead_letter.max_error_rate %.0f%%): %s. The topic may be poisoned: check its producers; the "
+            "rejected events are in %s",
+            self.topic,
+            limit.pause_seconds,
+            rejected,
+            window,
+            100 * rejected / window,
+            100 * limit.max_error_rate,
+            _describe(seen),
+            self.writer.topic if self.writer is not None else "no dead-letter topic (disabled)",
+        )
 
     def paused(self) -> bool:
         """True while the error-rate limit holds consumption."""
@@ -364,9 +441,14 @@ class Rejections:
         if limit.paused():
             return True
         self.metrics.consumption_paused.set(0)
-        log.warning("resuming consumption of %s after a %.0fs pause; it pauses again if over %.0f%% of the next "
-                    "%d events cannot be decoded", self.topic, limit.pause_seconds, 100 * limit.max_error_rate,
-                    limit.window_events)
+        log.warning(
+            "resuming consumption of %s after a %.0fs pause; it pauses again if over %.0f%% of the next "
+            "%d events cannot be decoded",
+            self.topic,
+            limit.pause_seconds,
+            100 * limit.max_error_rate,
+            limit.window_events,
+        )
         return False
 
     def close(self) -> None:

@@ -18,9 +18,10 @@ Ids reach their tables by a documented, stable mapping (``map_ids``), identical 
   - enums: the reader's symbol index; booleans: 0 or 1.
 Dense features, labels: the number as float64, the transform applied, then float32. A null dense
 value is 0.0; a null label rejects the event, and so does one outside [0, 1] (NaN included): the
-loss is binary cross-entropy, and one such target would turn the model's weights to NaN. Event time: timestamp-millis (or a plain long) as
-is, timestamp-micros floor-divided by 1000; null is 0. A writer's null where the reader's type has
-none (e.g. a nullable label the reader declares an int) is such a null too.
+loss is binary cross-entropy, and one such target would turn the model's weights to NaN. Event
+time: timestamp-millis (or a plain long) as is, timestamp-micros floor-divided by 1000; null is 0.
+A writer's null where the reader's type has none (e.g. a nullable label the reader declares an
+int) is such a null too.
 
 Every rejected payload gets one of ``REASONS``. Decode errors come first, then trailing bytes,
 then a missing label, a label outside [0, 1], then non-finite dense values. ``features.non_finite_dense: clip`` keeps
@@ -80,6 +81,7 @@ def map_ids(raw: np.ndarray, table: TableConfig) -> np.ndarray:
 @dataclass(frozen=True)
 class PartitionSpan:
     """How many events of one partition a batch holds, and the offset after its last one."""
+
     events: int
     next_offset: int
 
@@ -88,6 +90,7 @@ class PartitionSpan:
 class ClickBatch(Pipelineable):
     """A decoded batch, complete when made: the decoder makes it as if trained alone, and the
     lockstep makes the one that trains (``in_global_step``)."""
+
     dense_features: torch.Tensor  # [B, num_dense] float32
     sparse_features: KeyedJaggedTensor  # one key per table, B lengths per key
     labels: torch.Tensor  # [B] float32
@@ -103,12 +106,15 @@ class ClickBatch(Pipelineable):
     def size(self) -> int:
         return int(self.labels.shape[0])
 
-    def in_global_step(self, global_batch_size: int, world_size: int) -> "ClickBatch":
+    def in_global_step(self, global_batch_size: int, world_size: int) -> ClickBatch:
         """This batch as one rank's part of a step of ``global_batch_size`` events over ``world_size`` ranks."""
-        return replace(self, global_batch_size=global_batch_size,
-                       loss_scale=torch.tensor(world_size / max(global_batch_size, 1), dtype=torch.float32))
+        return replace(
+            self,
+            global_batch_size=global_batch_size,
+            loss_scale=torch.tensor(world_size / max(global_batch_size, 1), dtype=torch.float32),
+        )
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> "ClickBatch":
+    def to(self, device: torch.device, non_blocking: bool = False) -> ClickBatch:
         return replace(
             self,
             dense_features=self.dense_features.to(device, non_blocking=non_blocking),
@@ -177,8 +183,12 @@ class AvroBatchDecoder:
             self.failures[schema_id] = f"writer schema {name} cannot be resolved to the reader: {why}"
             return _UNRESOLVABLE
         except ap.Unsupported as why:
-            log.warning("writer schema %s cannot be compiled (%s): decoding its events with fastavro, "
-                        "which is several times slower", name, why)
+            log.warning(
+                "writer schema %s cannot be compiled (%s): decoding its events with fastavro, "
+                "which is several times slower",
+                name,
+                why,
+            )
             return _FALLBACK
         self.programs[schema_id] = program
         entry = len(self.code)
@@ -216,12 +226,18 @@ class AvroBatchDecoder:
         labels = np.zeros(n, dtype=np.float32)
         times = np.zeros(n, dtype=np.int64)
         rows, row_table, first, stop = ap.run_batch(
-            buf, starts, ends, entry, self.code, self.clip, status, lengths, dense, labels, times)
+            buf, starts, ends, entry, self.code, self.clip, status, lengths, dense, labels, times
+        )
         slow = np.flatnonzero(status == ap.NOT_MINE)
         if slow.size:
             rows, row_table, first, stop = self._decode_slowly(
-                slow, payloads, schema_ids, (status, lengths, dense, labels, times),
-                (rows, row_table, first, stop), details)
+                slow,
+                payloads,
+                schema_ids,
+                (status, lengths, dense, labels, times),
+                (rows, row_table, first, stop),
+                details,
+            )
         values = ap.gather_rows(rows, row_table, first, stop, status, lengths)
         return _result(events, self.keys, status, lengths, dense, labels, times, values, details)
 
@@ -232,14 +248,27 @@ class AvroBatchDecoder:
         else:
             status[events] = _STATUS[program]
 
-    def _decode_slowly(self, slow, payloads, schema_ids, columns, event_rows, details):
+    def _decode_slowly(
+        self,
+        slow: np.ndarray,
+        payloads: list[bytes],
+        schema_ids: np.ndarray,
+        columns: tuple[np.ndarray, ...],
+        event_rows: tuple[np.ndarray, ...],
+        details: dict[int, str],
+    ) -> tuple[np.ndarray, ...]:
         """fastavro for the events whose schema has no program; their rows join the others'."""
         status, lengths, dense, labels, times = columns
         bodies = [payloads[i][5:] if self.confluent else payloads[i] for i in slow.tolist()]
         writers = [int(schema_ids[i]) if self.confluent else None for i in slow.tolist()]
         part = self.fallback.columns(bodies, writers)
-        status[slow], lengths[:, slow], dense[slow], labels[slow], times[slow] = \
-            part.status, part.lengths, part.dense, part.labels, part.times
+        status[slow], lengths[:, slow], dense[slow], labels[slow], times[slow] = (
+            part.status,
+            part.lengths,
+            part.dense,
+            part.labels,
+            part.times,
+        )
         details.update({int(slow[i]): detail for i, detail in part.details.items()})
         # Back to event-major rows, the slow events' after the compiled ones.
         rows, row_table, first, stop = event_rows
@@ -256,23 +285,36 @@ class AvroBatchDecoder:
 
 _FALLBACK, _UNKNOWN, _BAD, _UNRESOLVABLE = -2, -3, -4, -5
 # What the events of a writer schema without a program get: NOT_MINE leaves them to fastavro.
-_STATUS = {_FALLBACK: ap.NOT_MINE, _UNKNOWN: ap.UNKNOWN_SCHEMA_ID, _BAD: ap.BAD_WRITER_SCHEMA,
-           _UNRESOLVABLE: ap.UNDECODABLE}
+_STATUS = {
+    _FALLBACK: ap.NOT_MINE,
+    _UNKNOWN: ap.UNKNOWN_SCHEMA_ID,
+    _BAD: ap.BAD_WRITER_SCHEMA,
+    _UNRESOLVABLE: ap.UNDECODABLE,
+}
 
 
 def feature_plan(features: FeaturesConfig, reader: dict) -> ap.FeaturePlan:
     """Which reader fields feed which table, dense column, the label and the event time."""
     plan = ap.FeaturePlan()
     for t, table in enumerate(features.tables):
-        plan.add(table.field, ap.Sink(ap.ID, (t, table.num_embeddings, 1 if table.id_mapping == "hash" else 0),
-                                      f"-> table {table.name} ({table.id_mapping})"))
+        plan.add(
+            table.field,
+            ap.Sink(
+                ap.ID,
+                (t, table.num_embeddings, 1 if table.id_mapping == "hash" else 0),
+                f"-> table {table.name} ({table.id_mapping})",
+            ),
+        )
     for d, dense in enumerate(features.dense):
-        plan.add(dense.field, ap.Sink(ap.DENSE, (d, 1 if dense.transform == "log1p" else 0),
-                                      f"-> dense {d} ({dense.transform})"))
+        plan.add(
+            dense.field,
+            ap.Sink(ap.DENSE, (d, 1 if dense.transform == "log1p" else 0), f"-> dense {d} ({dense.transform})"),
+        )
     plan.add(features.label, ap.Sink(ap.LABEL, (), "-> label"))
     divisor = _time_divisor(reader, features.event_time)
-    plan.add(features.event_time,
-             ap.Sink(ap.TIME, (divisor,), "-> event time" + (" (us -> ms)" if divisor > 1 else "")))
+    plan.add(
+        features.event_time, ap.Sink(ap.TIME, (divisor,), "-> event time" + (" (us -> ms)" if divisor > 1 else ""))
+    )
     return plan
 
 
@@ -293,6 +335,16 @@ class _Columns:
     details: dict[int, str]  # event -> the detail of its reason, where there is one
 
 
+@dataclass(frozen=True)
+class _FieldPaths:
+    """Where each feature sits in a decoded record: its field's dotted path, split."""
+
+    tables: list[tuple[str, ...]]
+    dense: list[tuple[str, ...]]
+    label: tuple[str, ...]
+    time: tuple[str, ...]
+
+
 class FastavroDecoder:
     """fastavro's schemaless_reader per payload and a Python loop building the columns: the path
     for writer schemas the compiler does not support, and the benchmark's baseline.
@@ -301,32 +353,41 @@ class FastavroDecoder:
     the compiled path does, valid UTF-8 or not. fastavro is laxer than the compiled path about the
     wire format, so ``_WireCheck`` checks each payload first, as the interpreter does; and the
     reader's feature and label fields are made nullable, so that a writer's null there is no value
-    (as in the compiled path) rather than a resolution error.
+    (as in the compiled path) rather than a resolution error. The benchmark's baseline turns the
+    wire checks off (``wire_checks=False``): it measures what fastavro alone costs.
     """
 
-    def __init__(self, features: FeaturesConfig, schema_source: Any = None):
+    def __init__(self, features: FeaturesConfig, schema_source: Any = None, *, wire_checks: bool = True):
         self.features = features
+        self.wire_checks = wire_checks
         self.schema_source = schema_source
         self.confluent = features.wire_format == "confluent"
         self.clip = features.non_finite_dense == "clip"
         reader = load_schema(features.resolved_schema_path())
         self.keys = [t.name for t in features.tables]
-        self.paths = {
-            "tables": [tuple(t.field.split(".")) for t in features.tables],
-            "dense": [tuple(d.field.split(".")) for d in features.dense],
-            "label": tuple(features.label.split(".")),
-            "time": tuple(features.event_time.split(".")),
+        self.paths = _FieldPaths(
+            tables=[tuple(t.field.split(".")) for t in features.tables],
+            dense=[tuple(d.field.split(".")) for d in features.dense],
+            label=tuple(features.label.split(".")),
+            time=tuple(features.event_time.split(".")),
+        )
+        sinks = {
+            tuple(path.split("."))
+            for path in (
+                *(t.field for t in features.tables),
+                *(d.field for d in features.dense),
+                features.label,
+                features.event_time,
+            )
         }
-        sinks = {tuple(path.split(".")) for path in (*(t.field for t in features.tables),
-                                                     *(d.field for d in features.dense), features.label,
-                                                     features.event_time)}
         self.reader = fastavro.parse_schema(_strings_as_bytes(without_logical_types(_nullable_at(reader, sinks))))
         self.divisor = _time_divisor(reader, features.event_time)
         self.symbols = [_enum_index(field_schema(reader, t.field)) for t in features.tables]
         self.sources: dict[int, dict | BadWriterSchema | None] = {}
         # schema id (None: raw bodies, written with the reader schema) -> (writer, reader for fastavro, its checks)
         self.writers: dict[int | None, tuple[Any, Any, _WireCheck]] = {
-            None: (fastavro.parse_schema(_strings_as_bytes(without_logical_types(reader))), None, _WireCheck(reader))}
+            None: (fastavro.parse_schema(_strings_as_bytes(without_logical_types(reader))), None, _WireCheck(reader))
+        }
 
     def writer_schema(self, schema_id: int) -> dict | None:
         """The schema source's answer for ``schema_id``, asked once (None: an unknown id). Raises
@@ -338,8 +399,9 @@ class FastavroDecoder:
                 if answer is not None:
                     self.writers[schema_id] = self._parsed(answer)
             except BadWriterSchema as why:
-                log.error("writer schema %s is broken: %s; its events are dead-lettered as bad_writer_schema",
-                          schema_id, why)
+                log.error(
+                    "writer schema %s is broken: %s; its events are dead-lettered as bad_writer_schema", schema_id, why
+                )
                 answer = BadWriterSchema(f"writer schema {schema_id}: {why}")
             self.sources[schema_id] = answer
         answer = self.sources[schema_id]
@@ -349,8 +411,11 @@ class FastavroDecoder:
 
     def _parsed(self, writer: Any) -> tuple[Any, Any, _WireCheck]:
         try:
-            return (fastavro.parse_schema(_strings_as_bytes(without_logical_types(writer))), self.reader,
-                    _WireCheck(writer))
+            return (
+                fastavro.parse_schema(_strings_as_bytes(without_logical_types(writer))),
+                self.reader,
+                _WireCheck(writer),
+            )
         except Exception as error:  # fastavro's SchemaParseException, UnknownType, or JSON of the wrong shape
             raise BadWriterSchema(f"not a valid Avro schema: {type(error).__name__}: {error}") from error
 
@@ -378,8 +443,17 @@ class FastavroDecoder:
             writers.append(schema_id)
         part = self.columns(bodies, writers, early)
         values = np.concatenate(part.values) if part.values else np.zeros(0, np.int64)
-        return _result(events, self.keys, part.status, part.lengths, part.dense, part.labels, part.times, values,
-                       {**details, **part.details})
+        return _result(
+            events,
+            self.keys,
+            part.status,
+            part.lengths,
+            part.dense,
+            part.labels,
+            part.times,
+            values,
+            {**details, **part.details},
+        )
 
     def columns(self, bodies: list[bytes], writers: list[int | None], early: np.ndarray | None = None) -> _Columns:
         """The columns of Avro ``bodies``, each written with the writer schema of its id (None:
@@ -398,47 +472,63 @@ class FastavroDecoder:
             for i, body in enumerate(bodies):
                 if status[i]:
                     continue
-                if writers[i] is not None:
-                    self.writer_schema(writers[i])  # asks the source, once
-                writer, reader, check = self.writers[writers[i]]
-                status[i] = check.status(body)
-                if status[i]:
-                    continue
+                writer_id = writers[i]
+                if writer_id is not None:
+                    self.writer_schema(writer_id)  # asks the source, once
+                writer, reader, check = self.writers[writer_id]
+                if self.wire_checks:
+                    status[i] = check.status(body)
+                    if status[i]:
+                        continue
                 try:
                     record = fastavro.schemaless_reader(io.BytesIO(body), writer, reader)
                 except Exception as error:  # a branch or symbol the reader cannot read: SchemaResolutionError
                     status[i] = ap.UNDECODABLE
                     details[i] = f"{type(error).__name__}: {error}"
                     continue
-                label = _get(record, paths["label"])
+                label = _get(record, paths.label)
                 if label is None:
                     status[i] = ap.MISSING_LABEL
                     continue
                 if not 0.0 <= np.float32(label) <= 1.0:
                     status[i] = ap.BAD_LABEL
                     continue
-                row = [_transform(_get(record, path), d.transform) for path, d in zip(paths["dense"], features.dense)]
+                row = [
+                    _transform(_get(record, path), d.transform)
+                    for path, d in zip(paths.dense, features.dense, strict=True)
+                ]
                 if not all(ap.is_finite_float32(v) for v in row):
                     if not self.clip:
                         status[i] = ap.NON_FINITE_DENSE
                         continue
                     row = [_clipped(v) for v in row]
-                for t, path in enumerate(paths["tables"]):
+                for t, path in enumerate(paths.tables):
                     value = _get(record, path)
                     values = () if value is None else value if isinstance(value, list) else (value,)
                     ids[t].extend(values)
                     lengths[t, i] = len(values)
                 dense[i] = row
                 labels[i] = float(label)
-                time = _get(record, paths["time"])
+                time = _get(record, paths.time)
                 times[i] = 0 if time is None else int(time) // self.divisor
-        values = [map_ids(_as_id_array(table_ids, symbols), table)
-                  for table_ids, table, symbols in zip(ids, features.tables, self.symbols)]
+        values = [
+            map_ids(_as_id_array(table_ids, symbols), table)
+            for table_ids, table, symbols in zip(ids, features.tables, self.symbols, strict=True)
+        ]
         return _Columns(status, lengths, dense, labels, times, values, details)
 
 
-def _result(events: list[RawEvent], keys: list[str], status: np.ndarray, lengths: np.ndarray, dense: np.ndarray,
-            labels: np.ndarray, times: np.ndarray, values: np.ndarray, details: dict[int, str]) -> DecodeResult:
+def _result(
+    events: list[RawEvent],
+    keys: list[str],
+    status: np.ndarray,
+    lengths: np.ndarray,
+    dense: np.ndarray,
+    labels: np.ndarray,
+    times: np.ndarray,
+    values: np.ndarray,
+    details: dict[int, str],
+) -> DecodeResult:
     kept = status == ap.OK
     count = int(kept.sum())
     everything = count == len(events)
@@ -455,8 +545,10 @@ def _result(events: list[RawEvent], keys: list[str], status: np.ndarray, lengths
         spans=_spans(events, kept),
         global_batch_size=count,
     )
-    rejected = [(events[i], REASONS[status[i] - 1] + (f": {details[i]}" if i in details else ""))
-                for i in np.flatnonzero(~kept).tolist()]
+    rejected = [
+        (events[i], REASONS[status[i] - 1] + (f": {details[i]}" if i in details else ""))
+        for i in np.flatnonzero(~kept).tolist()
+    ]
     return DecodeResult(batch, rejected)
 
 
@@ -524,8 +616,10 @@ def _strings_as_bytes(schema: Any) -> Any:
     if isinstance(schema, dict):
         if schema.get("type") == "string":
             return {**schema, "type": "bytes"}
-        return {k: (v if k in ("default", "symbols", "name", "namespace", "doc", "aliases") else _strings_as_bytes(v))
-                for k, v in schema.items()}
+        return {
+            k: (v if k in ("default", "symbols", "name", "namespace", "doc", "aliases") else _strings_as_bytes(v))
+            for k, v in schema.items()
+        }
     return "bytes" if schema == "string" else schema
 
 
@@ -685,7 +779,12 @@ class _WireCheck:
 
 
 _PRIMITIVE_CHECKS: dict[str, Callable[[_Cursor], object]] = {
-    "null": lambda c: None, "boolean": lambda c: c.skip(1), "int": _Cursor.varint, "long": _Cursor.varint,
-    "float": lambda c: c.skip(4), "double": lambda c: c.skip(8),
-    "string": _Cursor.bytes, "bytes": _Cursor.bytes,
+    "null": lambda c: None,
+    "boolean": lambda c: c.skip(1),
+    "int": _Cursor.varint,
+    "long": _Cursor.varint,
+    "float": lambda c: c.skip(4),
+    "double": lambda c: c.skip(8),
+    "string": _Cursor.bytes,
+    "bytes": _Cursor.bytes,
 }

@@ -213,8 +213,7 @@ class SnapshotSchedule:
             self.requested.is_set()
             or self.clock() - checkpointer.last_attempt_at >= interval.interval_seconds
             or bool(
-                interval.interval_steps
-                and self.state.step - checkpointer.last_attempt_step >= interval.interval_steps
+                interval.interval_steps and self.state.step - checkpointer.last_attempt_step >= interval.interval_steps
             )
         )
 

@@ -97,18 +97,20 @@ class ProgressiveQuality:
             if not self.scores:
                 nan = float("nan")
                 return {w: {"auc": nan, "ne": nan, "calibration": nan} for w in ("window", "lifetime")}
-            p = np.concatenate(self.scores)[-self.window:]
-            y = np.concatenate(self.labels)[-self.window:]
+            p = np.concatenate(self.scores)[-self.window :]
+            y = np.concatenate(self.labels)[-self.window :]
             positives, negatives = self.positives.copy(), self.negatives.copy()
             bce_sum, label_sum, prob_sum, events = self.sums.tolist()
         # binned AUC: P(score_pos > score_neg) + half the ties within a bin
         below = np.cumsum(negatives) - negatives
         pairs = positives.sum() * negatives.sum()
-        lifetime_auc = float(((positives * below).sum() + 0.5 * (positives * negatives).sum()) / pairs) \
-            if pairs else float("nan")
+        lifetime_auc = (
+            float(((positives * below).sum() + 0.5 * (positives * negatives).sum()) / pairs) if pairs else float("nan")
+        )
         return {
-            "window": _quality(float(_log_loss(p, y).sum()), float(y.sum()), float(p.sum()), float(y.size),
-                               roc_auc(p, y)),
+            "window": _quality(
+                float(_log_loss(p, y).sum()), float(y.sum()), float(p.sum()), float(y.size), roc_auc(p, y)
+            ),
             "lifetime": _quality(bce_sum, label_sum, prob_sum, events, lifetime_auc),
         }
 
@@ -174,99 +176,155 @@ class WorkerMetrics:
         self.registry = registry = CollectorRegistry()
         tp = ["topic", "partition"]
         self.info = Info("streamtrain_worker", "The worker's rank, world size and versions.", registry=registry)
-        self.events_consumed = Counter(
-            "streamtrain_events_consumed", "Events read from Kafka.", tp, registry=registry)
+        self.events_consumed = Counter("streamtrain_events_consumed", "Events read from Kafka.", tp, registry=registry)
         self.events_trained = Counter(
-            "streamtrain_events_trained", "Events whose update has been applied to the model.", tp, registry=registry)
+            "streamtrain_events_trained", "Events whose update has been applied to the model.", tp, registry=registry
+        )
         self.events_dropped = Counter(
-            "streamtrain_events_dropped", "Events read but not trained, by reason.", tp + ["reason"],
-            registry=registry)
+            "streamtrain_events_dropped", "Events read but not trained, by reason.", tp + ["reason"], registry=registry
+        )
         self.batches = Counter("streamtrain_batches", "Training steps taken.", registry=registry)
         self.step_seconds = Histogram(
-            "streamtrain_step_seconds", "Wall time of one training step on this rank, data wait included.",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=registry)
+            "streamtrain_step_seconds",
+            "Wall time of one training step on this rank, data wait included.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=registry,
+        )
         self.global_batch_size = Gauge(
-            "streamtrain_global_batch_size", "Events in the last step, summed over all ranks.", registry=registry)
+            "streamtrain_global_batch_size", "Events in the last step, summed over all ranks.", registry=registry
+        )
         self.global_step = Gauge("streamtrain_global_step", "The trainer's step counter.", registry=registry)
-        self.loss = Gauge("streamtrain_loss", "Mean training loss (binary cross-entropy) of the last batch.",
-                          registry=registry)
+        self.loss = Gauge(
+            "streamtrain_loss", "Mean training loss (binary cross-entropy) of the last batch.", registry=registry
+        )
         self.examples_per_second = Gauge(
-            "streamtrain_examples_per_second", "Events trained per second over the last log interval.",
-            registry=registry)
-        self.queue_depth = Gauge("streamtrain_prefetch_queue_depth", "Decoded batches waiting for the trainer.",
-                                 registry=registry)
-        self.queue_capacity = Gauge("streamtrain_prefetch_queue_capacity", "Capacity of the prefetch queue.",
-                                    registry=registry)
+            "streamtrain_examples_per_second",
+            "Events trained per second over the last log interval.",
+            registry=registry,
+        )
+        self.queue_depth = Gauge(
+            "streamtrain_prefetch_queue_depth", "Decoded batches waiting for the trainer.", registry=registry
+        )
+        self.queue_capacity = Gauge(
+            "streamtrain_prefetch_queue_capacity", "Capacity of the prefetch queue.", registry=registry
+        )
         quality_labels = ["task", "window"]
         self.quality_gauges = {
-            "auc": Gauge("streamtrain_progressive_auc",
-                         "AUC of scores given before training on each event (test-then-train); window is "
-                         "'window' (the last metrics.auc_window events) or 'lifetime'.", quality_labels,
-                         registry=registry),
-            "ne": Gauge("streamtrain_progressive_ne",
-                        "Normalized entropy of test-then-train scores: cross-entropy over the entropy of the "
-                        "click rate; below 1 beats predicting the rate.", quality_labels, registry=registry),
-            "calibration": Gauge("streamtrain_progressive_calibration",
-                                 "Predicted clicks over actual clicks (1 is calibrated).", quality_labels,
-                                 registry=registry),
+            "auc": Gauge(
+                "streamtrain_progressive_auc",
+                "AUC of scores given before training on each event (test-then-train); window is "
+                "'window' (the last metrics.auc_window events) or 'lifetime'.",
+                quality_labels,
+                registry=registry,
+            ),
+            "ne": Gauge(
+                "streamtrain_progressive_ne",
+                "Normalized entropy of test-then-train scores: cross-entropy over the entropy of the "
+                "click rate; below 1 beats predicting the rate.",
+                quality_labels,
+                registry=registry,
+            ),
+            "calibration": Gauge(
+                "streamtrain_progressive_calibration",
+                "Predicted clicks over actual clicks (1 is calibrated).",
+                quality_labels,
+                registry=registry,
+            ),
         }
         self.progressive_quality = ProgressiveQuality(auc_window)
-        self.consumer_lag = Gauge("streamtrain_consumer_lag_events",
-                                  "High watermark minus the read position, per owned partition.", tp,
-                                  registry=registry)
-        self.consumed_bytes = Counter("streamtrain_consumed_bytes", "Payload bytes read from Kafka.", tp,
-                                      registry=registry)
-        self.kafka_errors = Counter("streamtrain_kafka_errors", "Errors reported by the Kafka client, by code.",
-                                    ["code"], registry=registry)
+        self.consumer_lag = Gauge(
+            "streamtrain_consumer_lag_events",
+            "High watermark minus the read position, per owned partition.",
+            tp,
+            registry=registry,
+        )
+        self.consumed_bytes = Counter(
+            "streamtrain_consumed_bytes", "Payload bytes read from Kafka.", tp, registry=registry
+        )
+        self.kafka_errors = Counter(
+            "streamtrain_kafka_errors", "Errors reported by the Kafka client, by code.", ["code"], registry=registry
+        )
         self.decode_seconds = Histogram(
-            "streamtrain_decode_seconds", "Time to decode one batch of payloads into a KJT batch.",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0), registry=registry)
+            "streamtrain_decode_seconds",
+            "Time to decode one batch of payloads into a KJT batch.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=registry,
+        )
         # prometheus_client exports a Counter named with or without "_total" as <name>_total.
-        self.decode_errors = Counter("streamtrain_decode_errors_total", "Payloads that could not become examples.",
-                                     ["reason"], registry=registry)
+        self.decode_errors = Counter(
+            "streamtrain_decode_errors_total", "Payloads that could not become examples.", ["reason"], registry=registry
+        )
         self.dead_letter_events = Counter(
             "streamtrain_dead_letter_events_total",
             "Events written to the dead-letter topic (acknowledged by all in-sync replicas), by reason.",
-            ["reason"], registry=registry)
+            ["reason"],
+            registry=registry,
+        )
         self.dead_letter_failures = Counter(
             "streamtrain_dead_letter_produce_failures_total",
-            "Dead letters whose write attempt failed and is being retried, by Kafka error code.", ["code"],
-            registry=registry)
+            "Dead letters whose write attempt failed and is being retried, by Kafka error code.",
+            ["code"],
+            registry=registry,
+        )
         self.dead_letter_blocked = Gauge(
             "streamtrain_dead_letter_blocked",
-            "1 while consumption is blocked because the dead-letter topic cannot be written.", registry=registry)
+            "1 while consumption is blocked because the dead-letter topic cannot be written.",
+            registry=registry,
+        )
         self.consumption_paused = Gauge(
             "streamtrain_consumption_paused",
-            "1 while consumption is paused because too many recent events could not be decoded.", registry=registry)
+            "1 while consumption is paused because too many recent events could not be decoded.",
+            registry=registry,
+        )
         self.consumption_pauses = Counter(
             "streamtrain_consumption_pauses_total",
-            "Times consumption was paused for dead_letter.pause_seconds by the error-rate limit.", registry=registry)
+            "Times consumption was paused for dead_letter.pause_seconds by the error-rate limit.",
+            registry=registry,
+        )
         self.batch_events = Histogram(
-            "streamtrain_batch_events", "Events in each batch this rank trained (0 for a lockstep filler).",
-            buckets=(0, 1, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384), registry=registry)
+            "streamtrain_batch_events",
+            "Events in each batch this rank trained (0 for a lockstep filler).",
+            buckets=(0, 1, 16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384),
+            registry=registry,
+        )
         self.data_wait_seconds = Histogram(
-            "streamtrain_data_wait_seconds", "Time a step waited for data and for the ranks' vote.",
-            buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0), registry=registry)
+            "streamtrain_data_wait_seconds",
+            "Time a step waited for data and for the ranks' vote.",
+            buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=registry,
+        )
         self.compute_seconds = Histogram(
-            "streamtrain_compute_seconds", "Time a step spent in forward, backward and optimizer.",
-            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5), registry=registry)
+            "streamtrain_compute_seconds",
+            "Time a step spent in forward, backward and optimizer.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=registry,
+        )
         self.freshness = BulkHistogram(
-            "streamtrain_freshness_seconds", "Time from an event's event_time to the update that trained it.",
-            (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600, 21600, 86400), registry)
+            "streamtrain_freshness_seconds",
+            "Time from an event's event_time to the update that trained it.",
+            (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600, 21600, 86400),
+            registry,
+        )
         self.checkpoint_seconds = Histogram(
-            "streamtrain_checkpoint_seconds", "From starting a snapshot to its commit.",
-            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300), registry=registry)
-        self.checkpoint_bytes = Gauge("streamtrain_checkpoint_bytes", "Size of the last committed snapshot.",
-                                      registry=registry)
+            "streamtrain_checkpoint_seconds",
+            "From starting a snapshot to its commit.",
+            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+            registry=registry,
+        )
+        self.checkpoint_bytes = Gauge(
+            "streamtrain_checkpoint_bytes", "Size of the last committed snapshot.", registry=registry
+        )
         self.checkpoint_last_success = Gauge(
             "streamtrain_checkpoint_last_success_timestamp_seconds",
             "When the last snapshot was committed (or restored); the worker's start before the first.",
-            registry=registry)
+            registry=registry,
+        )
         # Until a snapshot is restored or committed, its age counts from the start, so a fresh
         # worker is not "three intervals late" at once.
         self.checkpoint_last_success.set(time.time())
-        self.checkpoint_failures = Counter("streamtrain_checkpoint_failures", "Snapshots that failed to write.",
-                                           registry=registry)
+        self.checkpoint_failures = Counter(
+            "streamtrain_checkpoint_failures", "Snapshots that failed to write.", registry=registry
+        )
         self._server: ThreadingHTTPServer | None = None
 
     def serve(self, host: str, port: int, health: Health) -> int:

@@ -39,7 +39,8 @@ class ClickModel(nn.Module):
         super().__init__()
         self.dlrm = DLRM(
             embedding_bag_collection=EmbeddingBagCollection(
-                tables=embedding_configs(features), device=torch.device("meta")),
+                tables=embedding_configs(features), device=torch.device("meta")
+            ),
             dense_in_features=len(features.dense),
             dense_arch_layer_sizes=list(model.dense_arch_layer_sizes),
             over_arch_layer_sizes=list(model.over_arch_layer_sizes),

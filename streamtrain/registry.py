@@ -78,13 +78,18 @@ class SchemaRegistry:
                 raise
 
         def retrying(failure: Exception, _attempt: int, wait: float) -> None:
-            log.warning("schema registry %s failed for id %d (%s); retrying in %.1fs",
-                        self.config.url, schema_id, failure, wait)
+            log.warning(
+                "schema registry %s failed for id %d (%s); retrying in %.1fs", self.config.url, schema_id, failure, wait
+            )
 
         try:
             # Connection refused and timeouts come as requests/httpx errors: every error is retried.
-            schema = retry(fetch, Backoff(initial=0.5, maximum=10.0, timeout=self.config.timeout_seconds),
-                           retry_on=Exception, on_retry=retrying)
+            schema = retry(
+                fetch,
+                Backoff(initial=0.5, maximum=10.0, timeout=self.config.timeout_seconds),
+                retry_on=Exception,
+                on_retry=retrying,
+            )
         except Exception as failure:
             raise SchemaSourceUnavailable(
                 f"schema registry {self.config.url} did not answer for schema id {schema_id} within "

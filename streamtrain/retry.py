@@ -24,6 +24,7 @@ E = TypeVar("E", bound=Exception)
 class Backoff:
     """Waits of ``initial`` seconds doubling up to ``maximum`` (equal: fixed waits), for at most
     ``timeout`` seconds in all (None: until a stop)."""
+
     initial: float
     maximum: float
     timeout: float | None = None
@@ -36,11 +37,16 @@ class Backoff:
             wait = min(wait * 2, self.maximum)
 
 
-def retry(call: Callable[[], T], backoff: Backoff, *, retry_on: type[E],
-          retriable: Callable[[E], bool] = lambda error: True,
-          on_retry: Callable[[E, int, float], None] = lambda error, attempt, wait: None,
-          stopping: threading.Event | None = None,
-          clock: Callable[[], float] = time.monotonic) -> T:
+def retry(
+    call: Callable[[], T],
+    backoff: Backoff,
+    *,
+    retry_on: type[E],
+    retriable: Callable[[E], bool] = lambda error: True,
+    on_retry: Callable[[E, int, float], None] = lambda error, attempt, wait: None,
+    stopping: threading.Event | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
     """``call()``'s result, retried after each retriable error; ``on_retry(error, attempt, wait)``
     runs before each wait (the attempts count from 1). Raises the last error when giving up."""
     if backoff.timeout is None and stopping is None:

@@ -80,9 +80,13 @@ class StepResult:
     data_wait_seconds: float  # of which waiting for the next batch (and the ranks' vote)
 
 
-def plan_sharding(config: WorkerConfig, world_size: int, compute_device: str,
-                  pg: dist.ProcessGroup | None = None,
-                  dense_device: torch.device | None = None) -> tuple[ClickModel, ShardingPlan]:
+def plan_sharding(
+    config: WorkerConfig,
+    world_size: int,
+    compute_device: str,
+    pg: dist.ProcessGroup | None = None,
+    dense_device: torch.device | None = None,
+) -> tuple[ClickModel, ShardingPlan]:
     """The model (tables on the meta device) and the planner's plan for ``world_size`` ranks.
 
     With ``pg`` the ranks plan collectively and agree on one plan; without it this is a dry run,
@@ -95,11 +99,15 @@ def plan_sharding(config: WorkerConfig, world_size: int, compute_device: str,
         {"lr": config.model.sparse_learning_rate},
     )
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=world_size, compute_device=compute_device,
-                          local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size))),
+        topology=Topology(
+            world_size=world_size,
+            compute_device=compute_device,
+            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
+        ),
         constraints={
             t.name: ParameterConstraints(sharding_types=t.sharding_types, compute_kernels=t.compute_kernels)
-            for t in config.features.tables if t.sharding_types or t.compute_kernels
+            for t in config.features.tables
+            if t.sharding_types or t.compute_kernels
         },
     )
     sharders = [EmbeddingBagCollectionSharder()]
@@ -120,17 +128,28 @@ def plan_table(plan: ShardingPlan, config: WorkerConfig, world_size: int) -> lis
         sharding = plan.plan[_EBC][table.name]
         shards: list[dict[str, Any]]  # rank, offsets, sizes; then bytes
         if sharding.sharding_spec is None:  # data parallel: a full replica on every rank
-            shards = [{"rank": r, "offsets": [0, 0], "sizes": [table.num_embeddings, table.embedding_dim]}
-                      for r in range(world_size)]
+            shards = [
+                {"rank": r, "offsets": [0, 0], "sizes": [table.num_embeddings, table.embedding_dim]}
+                for r in range(world_size)
+            ]
         else:
-            shards = [{"rank": s.placement.rank(), "offsets": list(s.shard_offsets), "sizes": list(s.shard_sizes)}
-                      for s in sharding.sharding_spec.shards]
+            shards = [
+                {"rank": s.placement.rank(), "offsets": list(s.shard_offsets), "sizes": list(s.shard_sizes)}
+                for s in sharding.sharding_spec.shards
+            ]
         for shard in shards:
             rows_, dim = shard["sizes"]
             shard["bytes"] = 4 * rows_ * (dim + state_per_row(dim))
-        rows.append({"table": table.name, "rows": table.num_embeddings, "dim": table.embedding_dim,
-                     "sharding_type": sharding.sharding_type, "compute_kernel": sharding.compute_kernel,
-                     "shards": shards})
+        rows.append(
+            {
+                "table": table.name,
+                "rows": table.num_embeddings,
+                "dim": table.embedding_dim,
+                "sharding_type": sharding.sharding_type,
+                "compute_kernel": sharding.compute_kernel,
+                "shards": shards,
+            }
+        )
     return rows
 
 
@@ -144,8 +163,10 @@ def describe_plan(plan: ShardingPlan, config: WorkerConfig, world_size: int) -> 
         for s in t["shards"]:
             per_rank[s["rank"]] += s["bytes"]
         shown = ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
-        lines.append(f"{t['table']:<22} {t['rows']:>9,} x {t['dim']:<4}  {t['sharding_type']:<18} "
-                     f"{t['compute_kernel']:<8} {shown}")
+        lines.append(
+            f"{t['table']:<22} {t['rows']:>9,} x {t['dim']:<4}  {t['sharding_type']:<18} "
+            f"{t['compute_kernel']:<8} {shown}"
+        )
     lines.append("embedding memory per rank (fp32 weights + optimizer state):")
     lines += [f"  rank {r}: {b / 2**20:,.1f} MiB" for r, b in enumerate(per_rank)]
     return "\n".join(lines)
@@ -153,8 +174,7 @@ def describe_plan(plan: ShardingPlan, config: WorkerConfig, world_size: int) -> 
 
 def write_plan_json(plan: ShardingPlan, config: WorkerConfig, world_size: int, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"world_size": world_size, "tables": plan_table(plan, config, world_size)},
-                               indent=2))
+    path.write_text(json.dumps({"world_size": world_size, "tables": plan_table(plan, config, world_size)}, indent=2))
 
 
 class Trainer:
@@ -168,7 +188,10 @@ class Trainer:
         model, self.plan = plan_sharding(config, env.world_size, env.device.type, dist.group.WORLD, env.device)
         sharders = [EmbeddingBagCollectionSharder()]
         self.model = DistributedModelParallel(
-            module=model, device=env.device, plan=self.plan, sharders=sharders,
+            module=model,
+            device=env.device,
+            plan=self.plan,
+            sharders=sharders,
             # DTensor state lets dcp.async_save stage the sharded tables (ShardedTensor cannot).
             env=ShardingEnv(env.world_size, env.rank, dist.group.WORLD, output_dtensor=True),
         )
@@ -208,5 +231,6 @@ class Trainer:
             except StopIteration:
                 return
             self.step += 1
-            yield StepResult(self.step, taken.popleft(), float(loss_sum), logits, labels,
-                             time.perf_counter() - started, waited)
+            yield StepResult(
+                self.step, taken.popleft(), float(loss_sum), logits, labels, time.perf_counter() - started, waited
+            )

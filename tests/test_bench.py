@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -18,18 +19,27 @@ def results_in_tmp(tmp_path, monkeypatch):
 def test_checkpoint_benchmark_runs_and_reports_a_ratio(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "streamtrain", "bench", "checkpoint", "--quick", "--config", str(SMALL_CONFIG)],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ratio" in result.stdout
-    saved = json.loads(open(result.stdout.split("results: ")[1].strip()).read())
+    saved = json.loads(Path(result.stdout.split("results: ")[1].strip()).read_text())
     assert saved["snapshots"] >= 1 and saved["baseline_events_per_second"] > 0 and saved["ratio"] > 0
 
 
 def test_train_step_benchmark_runs_both_paths_and_reports_a_ratio():
-    result = subprocess.run([sys.executable, "-m", "streamtrain", "bench", "train-step", "--quick"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "streamtrain", "bench", "train-step", "--quick"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    saved = json.loads(open(result.stdout.split("results: ")[1].strip()).read())
+    saved = json.loads(Path(result.stdout.split("results: ")[1].strip()).read_text())
     (row,) = saved["sizes"]
     assert row["per_feature_events_per_second"] > 0 and row["fused_events_per_second"] > 0
     assert row["ratio"] == row["fused_events_per_second"] / row["per_feature_events_per_second"]
@@ -37,19 +47,25 @@ def test_train_step_benchmark_runs_both_paths_and_reports_a_ratio():
 
 @pytest.mark.integration  # starts its own broker
 def test_memory_benchmark_samples_the_workers_rss():
-    result = subprocess.run([sys.executable, "-m", "streamtrain", "bench", "memory", "--quick", "--config",
-                             str(SMALL_CONFIG)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "streamtrain", "bench", "memory", "--quick", "--config", str(SMALL_CONFIG)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    saved = json.loads(open(result.stdout.split("results: ")[1].strip()).read())
+    saved = json.loads(Path(result.stdout.split("results: ")[1].strip()).read_text())
     assert len(saved["samples"]) >= 10 and all(rss > 0 for _t, rss in saved["samples"])
     assert "events trained" in saved["worker_summary"]
 
 
 def _bench(*args: str, timeout: float = 300) -> dict:
-    result = subprocess.run([sys.executable, "-m", "streamtrain", "bench", *args], cwd=REPO, capture_output=True,
-                            text=True, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, "-m", "streamtrain", "bench", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(open(result.stdout.split("results: ")[1].strip()).read())
+    return json.loads(Path(result.stdout.split("results: ")[1].strip()).read_text())
 
 
 @pytest.mark.integration  # starts its own broker
@@ -88,33 +104,81 @@ def test_report_renders_markdown_and_plots_from_results(tmp_path):
     machine = {"cores": 2, "device": "cpu", "torch": "2", "torchrec": "1", "fbgemm_gpu": "1"}
     rate = {"events_per_second": 1000.0, "events": 10, "seconds": 1.0}
     fixtures = {
-        "e2e": {"legs": {"worker": rate, "naive": rate, "limit": rate}, "worker_over_naive": 1.0,
-                "worker_over_limit": 1.0, "events": 10, "partitions": 4, "ranks": 2, "warm_up_seconds": 1},
-        "pipeline": {"legs": {"base": rate, "sparse_dist": rate}, "ratio": 1.0, "ranks": 2, "rounds": 1,
-                     "steps_per_leg": 5},
-        "memory": {"samples": [[0, 2**20], [1, 2**20]], "warm_up_seconds": 0, "backlog_events": 10,
-                   "growth_after_warm_up": 0.0, "rss_after_warm_up_bytes": 2**20,
-                   "rss_peak_after_warm_up_bytes": 2**20},
-        "freshness": {"max_events_per_second": 1000.0, "seconds": 5, "warm_up_seconds": 1, "loads": [
-            {"load": 0.5, "rate": 500.0, "produced_events_per_second": 500.0,
-             "trained_events_per_second_after_warm_up": 500.0, "cdf": [[0.1, 0.0], [0.5, 1.0]],
-             "freshness": {"p50": 0.2, "p99": 0.4, "max": 0.5}}]},
+        "e2e": {
+            "legs": {"worker": rate, "naive": rate, "limit": rate},
+            "worker_over_naive": 1.0,
+            "worker_over_limit": 1.0,
+            "events": 10,
+            "partitions": 4,
+            "ranks": 2,
+            "warm_up_seconds": 1,
+        },
+        "pipeline": {
+            "legs": {"base": rate, "sparse_dist": rate},
+            "ratio": 1.0,
+            "ranks": 2,
+            "rounds": 1,
+            "steps_per_leg": 5,
+        },
+        "memory": {
+            "samples": [[0, 2**20], [1, 2**20]],
+            "warm_up_seconds": 0,
+            "backlog_events": 10,
+            "growth_after_warm_up": 0.0,
+            "rss_after_warm_up_bytes": 2**20,
+            "rss_peak_after_warm_up_bytes": 2**20,
+        },
+        "freshness": {
+            "max_events_per_second": 1000.0,
+            "seconds": 5,
+            "warm_up_seconds": 1,
+            "loads": [
+                {
+                    "load": 0.5,
+                    "rate": 500.0,
+                    "produced_events_per_second": 500.0,
+                    "trained_events_per_second_after_warm_up": 500.0,
+                    "cdf": [[0.1, 0.0], [0.5, 1.0]],
+                    "freshness": {"p50": 0.2, "p99": 0.4, "max": 0.5},
+                }
+            ],
+        },
     }
     for name, fields in fixtures.items():
         (results / f"{name}-20260101-000000.json").write_text(
-            json.dumps({"benchmark": name, "machine": machine, **fields}))
+            json.dumps({"benchmark": name, "machine": machine, **fields})
+        )
     readme = tmp_path / "README.md"
     readme.write_text("before\n<!-- bench-report:start -->\nold\n<!-- bench-report:end -->\nafter\n")
-    result = subprocess.run([sys.executable, "-m", "streamtrain", "bench", "report", "--results", str(results),
-                             "--out", str(tmp_path / "out"), "--readme", str(readme)],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "streamtrain",
+            "bench",
+            "report",
+            "--results",
+            str(results),
+            "--out",
+            str(tmp_path / "out"),
+            "--readme",
+            str(readme),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     text = readme.read_text()
     assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
     assert "| naive consume-decode-train loop |" in text and "| 50% |" in text
     assert (tmp_path / "out" / "report.md").exists()
-    assert {p.name for p in (tmp_path / "out").glob("*.png")} == {"throughput.png", "memory_rss.png",
-                                                                   "freshness_cdf.png"}
+    assert {p.name for p in (tmp_path / "out").glob("*.png")} == {
+        "throughput.png",
+        "memory_rss.png",
+        "freshness_cdf.png",
+    }
 
 
 def test_throughput_excludes_the_warm_up_and_counts_from_its_end_to_the_last_event():
@@ -130,11 +194,16 @@ def test_throughput_excludes_the_warm_up_and_counts_from_its_end_to_the_last_eve
 
 
 def test_decode_benchmark_runs_both_decoders_and_reports_a_ratio():
-    result = subprocess.run([sys.executable, "-m", "streamtrain", "bench", "decode", "--quick"],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "streamtrain", "bench", "decode", "--quick"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ratio" in result.stdout
-    saved = json.loads(open(result.stdout.split("results: ")[1].strip()).read())
+    saved = json.loads(Path(result.stdout.split("results: ")[1].strip()).read_text())
     assert saved["baseline_events_per_second"] > 0 and saved["compiled_events_per_second"] > 0
     assert saved["ratio"] == saved["compiled_events_per_second"] / saved["baseline_events_per_second"]
     assert saved["first_call_seconds"] > 0
@@ -166,9 +235,11 @@ def _naive_gradients_rank(rank: int, port: int, out: str) -> None:
 
     model = trained(batches[rank])
     average_sparse_gradients(model.tables, 2)
-    expected = [(a + b) / 2 for a, b in zip(dense_gradients(trained(batches[0])), dense_gradients(trained(batches[1])))]
-    torch.save({"averaged": dense_gradients(model), "expected": expected},
-               f"{out}/rank-{rank}.pt")
+    expected = [
+        (a + b) / 2
+        for a, b in zip(dense_gradients(trained(batches[0])), dense_gradients(trained(batches[1])), strict=True)
+    ]
+    torch.save({"averaged": dense_gradients(model), "expected": expected}, f"{out}/rank-{rank}.pt")
     dist.destroy_process_group()
 
 
@@ -184,5 +255,5 @@ def test_naive_loop_averages_the_tables_sparse_gradients_over_ranks(tmp_path):
     for rank in range(2):
         result = torch.load(tmp_path / f"rank-{rank}.pt")
         assert any(g.any() for g in result["averaged"])
-        for averaged, expected in zip(result["averaged"], result["expected"]):
+        for averaged, expected in zip(result["averaged"], result["expected"], strict=True):
             assert torch.allclose(averaged, expected)

@@ -40,13 +40,16 @@ def small_config(tmp_path: Path, **checkpoint):
 def batches():
     config = small_config(Path("/unused"))
     decoder = AvroBatchDecoder(config.features)
-    events = [RawEvent(0, i, value, 0) for i, (_k, value, _p, _c) in enumerate(
-        encoded_events(ClickStream(5, 0), AvroEncoder(SCHEMA), 2560))]
-    return [decoder.decode(events[i:i + 256]).batch for i in range(0, len(events), 256)]
+    events = [
+        RawEvent(0, i, value, 0)
+        for i, (_k, value, _p, _c) in enumerate(encoded_events(ClickStream(5, 0), AvroEncoder(SCHEMA), 2560))
+    ]
+    return [decoder.decode(events[i : i + 256]).batch for i in range(0, len(events), 256)]
 
 
 def weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     """This rank's tensors as plain tensors (a table-wise shard on one rank is the whole table)."""
+
     def plain(value):
         value = value.to_local() if hasattr(value, "to_local") else value
         if hasattr(value, "local_shards"):  # torchrec's LocalShardsWrapper inside the DTensor
@@ -81,8 +84,9 @@ def test_async_snapshot_is_the_cut_at_its_step_while_training_goes_on(tmp_path, 
     # and the optimizer state came back too: both continue identically
     again = Trainer(config, env)
     checkpointer_for(config, again).restore()
-    assert ([r.loss_sum for r in restored_trainer.train(iter(batches[4:6]))]
-            == [r.loss_sum for r in again.train(iter(batches[4:6]))])
+    assert [r.loss_sum for r in restored_trainer.train(iter(batches[4:6]))] == [
+        r.loss_sum for r in again.train(iter(batches[4:6]))
+    ]
 
 
 def test_damaged_snapshots_are_skipped_with_a_warning(tmp_path, batches, caplog):
@@ -91,7 +95,7 @@ def test_damaged_snapshots_are_skipped_with_a_warning(tmp_path, batches, caplog)
     trainer = Trainer(config, env)
     checkpointer = checkpointer_for(config, trainer)
     for step in (1, 2, 3):
-        list(trainer.train(iter(batches[step:step + 1])))
+        list(trainer.train(iter(batches[step : step + 1])))
         checkpointer.save(StreamState(step=step, next_offsets={0: step * 256}, trained={0: step * 256}))
     root = Path(config.checkpoint.path)
     assert (root / "latest").read_text() == "step-000000003"
@@ -132,9 +136,15 @@ def test_a_snapshot_for_another_feature_config_is_refused_unless_partial(tmp_pat
 
 # --- end to end: real broker, real ranks, real kills ---------------------------------------------
 
+
 def final_stream(root: Path) -> dict:
-    result = subprocess.run([sys.executable, "-m", "streamtrain", "checkpoints", "inspect", str(root)],
-                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "streamtrain", "checkpoints", "inspect", str(root)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout)
 
@@ -146,24 +156,48 @@ def rank_steps(ranks) -> str:
 @pytest.mark.integration
 def test_exactly_once_across_random_sigkills(kafka, topic_name, start_ranks, tmp_path):
     root = tmp_path / "snapshots"
-    env = {"STREAMTRAIN_CHECKPOINT__PATH": str(root), "STREAMTRAIN_CHECKPOINT__INTERVAL_STEPS": "3",
-           "STREAMTRAIN_DISTRIBUTED__TIMEOUT_SECONDS": "10"}
+    env = {
+        "STREAMTRAIN_CHECKPOINT__PATH": str(root),
+        "STREAMTRAIN_CHECKPOINT__INTERVAL_STEPS": "3",
+        "STREAMTRAIN_DISTRIBUTED__TIMEOUT_SECONDS": "10",
+    }
     trials_wanted = int(os.environ.get("STREAMTRAIN_TEST_KILL_TRIALS", "5"))  # more in a long, on-demand run
     produce(kafka.bootstrap_servers, topic_name, 200, partitions=PARTITIONS, seed=40, schema_path=SCHEMA)
     # A live stream at 2,000 events/s for as long as the ranks are being killed, then stopped: a
     # stream sized by count could run dry before the last trial, and a restart with nothing left
     # to replay never trains. The count only bounds it.
     producer = subprocess.Popen(
-        [sys.executable, "-m", "streamtrain", "produce", "--bootstrap-servers", kafka.bootstrap_servers,
-         "--topic", topic_name, "--count", str(2000 * 60 * trials_wanted), "--rate", "2000", "--seed", "41"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-m",
+            "streamtrain",
+            "produce",
+            "--bootstrap-servers",
+            kafka.bootstrap_servers,
+            "--topic",
+            topic_name,
+            "--count",
+            str(2000 * 60 * trials_wanted),
+            "--rate",
+            "2000",
+            "--seed",
+            "41",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     rng = random.Random(1234)
     trials = []
     try:
         for trial in range(trials_wanted):
             ranks = start_ranks(topic_name, 2, env=env)
-            ranks[0].wait_for(lambda: all(r.scrape().get("streamtrain_batches_total", 0) > 0 for r in ranks),
-                              timeout=120, what="both ranks training")
+            ranks[0].wait_for(
+                lambda ranks=ranks: all(r.scrape().get("streamtrain_batches_total", 0) > 0 for r in ranks),
+                timeout=120,
+                what="both ranks training",
+            )
             time.sleep(rng.uniform(0.0, 2.0))
             victim = rng.choice(["rank 0", "rank 1", "all"])
             targets = ranks if victim == "all" else [ranks[int(victim[-1])]]
@@ -198,8 +232,11 @@ def test_graceful_restart_continues_from_the_exact_next_offset(kafka, topic_name
     env = {"STREAMTRAIN_CHECKPOINT__PATH": str(root)}
     produce(kafka.bootstrap_servers, topic_name, 3000, partitions=PARTITIONS, seed=42, schema_path=SCHEMA)
     first = start_ranks(topic_name, 2, env=env)
-    first[0].wait_for(lambda: sum(r.total("streamtrain_events_trained_total") for r in first) >= 3000,
-                      timeout=120, what="the backlog trained")
+    first[0].wait_for(
+        lambda: sum(r.total("streamtrain_events_trained_total") for r in first) >= 3000,
+        timeout=120,
+        what="the backlog trained",
+    )
     first[0].signal(signal.SIGTERM)
     assert [r.wait(timeout=60) for r in first] == [0, 0]
     after_stop = final_stream(root)["stream"]["next_offsets"]

@@ -10,13 +10,15 @@ from conftest import REPO
 from streamtrain.bench import BENCHMARKS
 from streamtrain.cli import build_parser
 
-COMMANDS = next(list(action.choices) for action in build_parser()._actions
-                if isinstance(action, argparse._SubParsersAction))
+COMMANDS = next(
+    list(action.choices) for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction)
+)
 
 
 def streamtrain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "streamtrain", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "streamtrain", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_the_worker_and_the_parser_import_no_dev_or_bench_module():

@@ -21,14 +21,17 @@ def test_reference_config_loads():
 
 
 def test_environment_overrides_any_field():
-    config = load_config(REFERENCE, environ={
-        "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": "broker-1:9092,broker-2:9092",
-        "STREAMTRAIN_BATCHING__BATCH_SIZE": "512",
-        "STREAMTRAIN_FEATURES__TABLES__0__NUM_EMBEDDINGS": "1000",
-        "STREAMTRAIN_MODEL__OVER_ARCH_LAYER_SIZES": "[128, 1]",
-        "UNRELATED": "x",
-        "STREAMTRAIN_KAFKA_LIBS": "/not/a/config/field",
-    })
+    config = load_config(
+        REFERENCE,
+        environ={
+            "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": "broker-1:9092,broker-2:9092",
+            "STREAMTRAIN_BATCHING__BATCH_SIZE": "512",
+            "STREAMTRAIN_FEATURES__TABLES__0__NUM_EMBEDDINGS": "1000",
+            "STREAMTRAIN_MODEL__OVER_ARCH_LAYER_SIZES": "[128, 1]",
+            "UNRELATED": "x",
+            "STREAMTRAIN_KAFKA_LIBS": "/not/a/config/field",
+        },
+    )
     assert config.kafka.bootstrap_servers == "broker-1:9092,broker-2:9092"
     assert config.batching.batch_size == 512
     assert config.features.tables[0].num_embeddings == 1000
@@ -40,31 +43,56 @@ def test_env_override_of_a_missing_list_index_names_the_variable():
         apply_env_overrides(reference(), {"STREAMTRAIN_FEATURES__TABLES__99__NAME": "x"})
 
 
-@pytest.mark.parametrize("mutate, field, hint", [
-    (lambda c: c["batching"].update(batch_size=0), "batching.batch_size", "greater than 0"),
-    (lambda c: c["kafka"].pop("topic"), "kafka.topic", "STREAMTRAIN_KAFKA__TOPIC"),
-    (lambda c: c["batching"].update(batchsize=3), "batching.batchsize", "unknown field"),
-    (lambda c: c["features"]["tables"][2].update(embedding_dim=0), "features.tables.2.embedding_dim",
-     "greater than 0"),
-    (lambda c: c["features"]["tables"][1].update(embedding_dim=32), "features.tables", "one embedding_dim"),
-    (lambda c: c["model"].update(over_arch_layer_sizes=[64, 2]), "model.over_arch_layer_sizes", "end in 1"),
-    (lambda c: c["features"]["tables"][0].update(field="usr_id"), "features.tables.0.field",
-     "not a field of ClickEvent"),
-    (lambda c: c["features"]["dense"][0].update(field="pid"), "features.dense.0.field", "is string"),
-    (lambda c: c["features"].update(label="recent_cate_ids"), "features.label", "integer_list"),
-    (lambda c: c["kafka"].update(client_config={"sasl.password": "hunter2"}), "kafka.client_config",
-     "client_config_files"),
-    (lambda c: c["features"]["tables"].append(dict(c["features"]["tables"][0])), "features",
-     "repeated: ['user_id']"),
-    (lambda c: c["kafka"].update(client_config={"enable.auto.commit": "true"}), "kafka.client_config",
-     "cannot be overridden: the worker commits only trained"),
-    (lambda c: c["kafka"].update(client_config={"group.id": "g"}), "kafka.client_config", "set kafka.group_id"),
-    (lambda c: c["kafka"].update(client_config_files={"auto.offset.reset": "/x"}), "kafka.client_config_files",
-     "set kafka.start_at"),
-    (lambda c: c["kafka"].update(start_at="yesterday"), "kafka.start_at", "2026-11-30T12:00:00Z"),
-    (lambda c: c["kafka"].update(start_at="2026-11-30T12:00:00"), "kafka.start_at", "add one, e.g. 2026-11-30T12:00:00Z"),
-    (lambda c: c["kafka"].update(start_at=1764504000), "kafka.start_at", "give epoch milliseconds (1764504000000)"),
-])
+@pytest.mark.parametrize(
+    "mutate, field, hint",
+    [
+        (lambda c: c["batching"].update(batch_size=0), "batching.batch_size", "greater than 0"),
+        (lambda c: c["kafka"].pop("topic"), "kafka.topic", "STREAMTRAIN_KAFKA__TOPIC"),
+        (lambda c: c["batching"].update(batchsize=3), "batching.batchsize", "unknown field"),
+        (
+            lambda c: c["features"]["tables"][2].update(embedding_dim=0),
+            "features.tables.2.embedding_dim",
+            "greater than 0",
+        ),
+        (lambda c: c["features"]["tables"][1].update(embedding_dim=32), "features.tables", "one embedding_dim"),
+        (lambda c: c["model"].update(over_arch_layer_sizes=[64, 2]), "model.over_arch_layer_sizes", "end in 1"),
+        (
+            lambda c: c["features"]["tables"][0].update(field="usr_id"),
+            "features.tables.0.field",
+            "not a field of ClickEvent",
+        ),
+        (lambda c: c["features"]["dense"][0].update(field="pid"), "features.dense.0.field", "is string"),
+        (lambda c: c["features"].update(label="recent_cate_ids"), "features.label", "integer_list"),
+        (
+            lambda c: c["kafka"].update(client_config={"sasl.password": "hunter2"}),
+            "kafka.client_config",
+            "client_config_files",
+        ),
+        (
+            lambda c: c["features"]["tables"].append(dict(c["features"]["tables"][0])),
+            "features",
+            "repeated: ['user_id']",
+        ),
+        (
+            lambda c: c["kafka"].update(client_config={"enable.auto.commit": "true"}),
+            "kafka.client_config",
+            "cannot be overridden: the worker commits only trained",
+        ),
+        (lambda c: c["kafka"].update(client_config={"group.id": "g"}), "kafka.client_config", "set kafka.group_id"),
+        (
+            lambda c: c["kafka"].update(client_config_files={"auto.offset.reset": "/x"}),
+            "kafka.client_config_files",
+            "set kafka.start_at",
+        ),
+        (lambda c: c["kafka"].update(start_at="yesterday"), "kafka.start_at", "2026-11-30T12:00:00Z"),
+        (
+            lambda c: c["kafka"].update(start_at="2026-11-30T12:00:00"),
+            "kafka.start_at",
+            "add one, e.g. 2026-11-30T12:00:00Z",
+        ),
+        (lambda c: c["kafka"].update(start_at=1764504000), "kafka.start_at", "give epoch milliseconds (1764504000000)"),
+    ],
+)
 def test_bad_config_names_the_field_and_the_fix(mutate, field, hint):
     raw = reference()
     mutate(raw)
@@ -96,11 +124,14 @@ def test_missing_file_and_bad_yaml_are_clear(tmp_path):
 
 def test_an_unknown_environment_field_is_refused_naming_the_variable_and_the_nearest_field():
     with pytest.raises(ConfigError) as error:
-        load_config(REFERENCE, environ={
-            "STREAMTRAIN_KAFKA__TOPICS": "clicks",
-            "STREAMTRAIN_FEATURES__TABLES__0__NUM_EMBEDDING": "10",
-            "STREAMTRAIN_BATCHING__BATCH_SIZE__X": "1",
-        })
+        load_config(
+            REFERENCE,
+            environ={
+                "STREAMTRAIN_KAFKA__TOPICS": "clicks",
+                "STREAMTRAIN_FEATURES__TABLES__0__NUM_EMBEDDING": "10",
+                "STREAMTRAIN_BATCHING__BATCH_SIZE__X": "1",
+            },
+        )
     message = str(error.value)
     assert "STREAMTRAIN_KAFKA__TOPICS: kafka has no field 'topics'; did you mean STREAMTRAIN_KAFKA__TOPIC?" in message
     assert "did you mean STREAMTRAIN_FEATURES__TABLES__0__NUM_EMBEDDINGS?" in message
@@ -109,8 +140,11 @@ def test_an_unknown_environment_field_is_refused_naming_the_variable_and_the_nea
 
 def test_streamtrain_variables_without_a_field_path_are_not_config():
     others = ["KAFKA_LIBS", "RUN_RECORD", "BENCH_RESULTS", "FUZZ_PAYLOADS", "TEST_KILL_TRIALS"]
-    config = load_config(REFERENCE, environ={f"STREAMTRAIN_{name}": "x" for name in others} | {
-        "STREAMTRAIN_KAFKA__CLIENT_CONFIG__SECURITY.PROTOCOL": "SSL"})
+    config = load_config(
+        REFERENCE,
+        environ={f"STREAMTRAIN_{name}": "x" for name in others}
+        | {"STREAMTRAIN_KAFKA__CLIENT_CONFIG__SECURITY.PROTOCOL": "SSL"},
+    )
     assert config.kafka.client_config["security.protocol"] == "SSL"
 
 
@@ -125,14 +159,17 @@ def test_shutdown_grace_is_a_distributed_field():
     assert config.distributed.shutdown_grace_seconds == 2.5
 
 
-@pytest.mark.parametrize("given, position", [
-    ("earliest", "earliest"),
-    ("latest", "latest"),
-    ("1764504000123", 1764504000123),
-    ("2025-11-30T12:00:00Z", 1764504000000),
-    ("2025-11-30T13:00:00+01:00", 1764504000000),
-    (None, None),
-])
+@pytest.mark.parametrize(
+    "given, position",
+    [
+        ("earliest", "earliest"),
+        ("latest", "latest"),
+        ("1764504000123", 1764504000123),
+        ("2025-11-30T12:00:00Z", 1764504000000),
+        ("2025-11-30T13:00:00+01:00", 1764504000000),
+        (None, None),
+    ],
+)
 def test_start_at_is_earliest_latest_or_a_time(given, position):
     environ = {} if given is None else {"STREAMTRAIN_KAFKA__START_AT": given}
     assert load_config(REFERENCE, environ=environ).kafka.start_position() == position

@@ -9,20 +9,28 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import fastavro
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from conftest import REPO, committed_offsets
-from streamtrain.deadletter import (HEADER_DETAIL, HEADER_GROUP, HEADER_OFFSET, HEADER_PARTITION, HEADER_REASON,
-                                    HEADER_TOPIC, ErrorRateLimit, reason_code)
-from streamtrain.dev.kafka import create_topic
+from streamtrain.deadletter import (
+    HEADER_DETAIL,
+    HEADER_GROUP,
+    HEADER_OFFSET,
+    HEADER_PARTITION,
+    HEADER_REASON,
+    HEADER_TOPIC,
+    ErrorRateLimit,
+    reason_code,
+)
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.dev.kafka import create_topic
 from streamtrain.dev.produce import ClickStream
@@ -84,9 +92,9 @@ def test_the_dead_letter_topic_defaults_to_the_source_topic_dot_dlq_and_is_never
     env = {"STREAMTRAIN_KAFKA__TOPIC": "clicks"}
     config = load_config(DLQ_CONFIG, environ=env)
     assert config.dead_letter.enabled and config.dead_letter.resolved_topic(config.kafka.topic) == "clicks.dlq"
-    with pytest.raises(ConfigError, match="dead_letter.topic: must not be kafka.topic"):
+    with pytest.raises(ConfigError, match=re.escape("dead_letter.topic: must not be kafka.topic")):
         load_config(DLQ_CONFIG, environ={**env, "STREAMTRAIN_DEAD_LETTER__TOPIC": "clicks"})
-    with pytest.raises(ConfigError, match="dead_letter.max_error_rate"):
+    with pytest.raises(ConfigError, match=re.escape("dead_letter.max_error_rate")):
         load_config(DLQ_CONFIG, environ={**env, "STREAMTRAIN_DEAD_LETTER__MAX_ERROR_RATE": "1.5"})
 
 
@@ -123,11 +131,11 @@ def zigzag(n: int) -> bytes:
 
 
 def before(name: str) -> list[str]:
-    return FIELDS[:FIELDS.index(name)]
+    return FIELDS[: FIELDS.index(name)]
 
 
 def after(name: str) -> list[str]:
-    return FIELDS[FIELDS.index(name) + 1:]
+    return FIELDS[FIELDS.index(name) + 1 :]
 
 
 @dataclass(frozen=True)
@@ -156,15 +164,21 @@ BAD_PAYLOADS = [
     BadPayload("truncated mid-record", lambda r: _encode(r)[: len(_encode(r)) // 2], "truncated"),
     BadPayload("trailing bytes", lambda r: _encode(r) + b"\x00\x00", "trailing_bytes"),
     BadPayload("varint over 10 bytes", lambda r: framed(b"\xff" * 11 + b"\x01"), "bad_varint"),
-    BadPayload("negative string length",
-               lambda r: framed(avro_fields(r, before("pid")) + zigzag(-3) + avro_fields(r, after("pid"))),
-               "bad_length"),
-    BadPayload("absurd string length",
-               lambda r: framed(avro_fields(r, before("pid")) + zigzag(1 << 40) + avro_fields(r, after("pid"))),
-               "bad_length"),
-    BadPayload("union index out of range",
-               lambda r: framed(avro_fields(r, before("brand")) + zigzag(7) + avro_fields(r, after("brand"))),
-               "bad_union_index"),
+    BadPayload(
+        "negative string length",
+        lambda r: framed(avro_fields(r, before("pid")) + zigzag(-3) + avro_fields(r, after("pid"))),
+        "bad_length",
+    ),
+    BadPayload(
+        "absurd string length",
+        lambda r: framed(avro_fields(r, before("pid")) + zigzag(1 << 40) + avro_fields(r, after("pid"))),
+        "bad_length",
+    ),
+    BadPayload(
+        "union index out of range",
+        lambda r: framed(avro_fields(r, before("brand")) + zigzag(7) + avro_fields(r, after("brand"))),
+        "bad_union_index",
+    ),
     BadPayload("missing label", lambda r: _encode({**r, "clk": None}), "missing_label"),
     BadPayload("label outside [0, 1]", lambda r: _encode({**r, "clk": 2}), "bad_label"),
     BadPayload("NaN price", lambda r: _encode({**r, "price": float("nan")}), "non_finite_dense"),
@@ -215,9 +229,13 @@ def test_the_writer_retries_only_what_failed_and_counts_every_dead_letter_once(k
     admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers})
     admin.create_topics([NewTopic(dlq, 2, config={"max.message.bytes": "2000"})])[dlq].result(30)
     metrics = WorkerMetrics()
-    writer = DeadLetterWriter(DeadLetterConfig(topic=dlq, delivery_timeout_seconds=5, retry_backoff_seconds=0.2,
-                                               retry_backoff_max_seconds=0.5),
-                              KafkaConfig(bootstrap_servers=kafka.bootstrap_servers, topic=topic_name), metrics)
+    writer = DeadLetterWriter(
+        DeadLetterConfig(
+            topic=dlq, delivery_timeout_seconds=5, retry_backoff_seconds=0.2, retry_backoff_max_seconds=0.5
+        ),
+        KafkaConfig(bootstrap_servers=kafka.bootstrap_servers, topic=topic_name),
+        metrics,
+    )
     # Each partition's events travel in one batch: the small ones on the big one's partition fail
     # with it, the others are written at the first attempt (murmur2 of these keys puts them on both).
     rejected = [(RawEvent(0, 10 + i, b"small", BASE_TIME_MS, b"k%d" % i), "truncated") for i in range(8)]
@@ -227,8 +245,13 @@ def test_the_writer_retries_only_what_failed_and_counts_every_dead_letter_once(k
     def raise_the_limit() -> None:
         while failed._value.get() < 1:
             time.sleep(0.1)
-        resource = ConfigResource("topic", dlq, incremental_configs=[
-            ConfigEntry("max.message.bytes", "100000", incremental_operation=AlterConfigOpType.SET)])
+        resource = ConfigResource(
+            "topic",
+            dlq,
+            incremental_configs=[
+                ConfigEntry("max.message.bytes", "100000", incremental_operation=AlterConfigOpType.SET)
+            ],
+        )
         admin.incremental_alter_configs([resource])[resource].result(30)
 
     fixer = threading.Thread(target=raise_the_limit, daemon=True)
@@ -241,8 +264,11 @@ def test_the_writer_retries_only_what_failed_and_counts_every_dead_letter_once(k
     assert 1 < failed._value.get() < len(rejected)  # a partial failure: retried only what failed
     letters = read_all(kafka, dlq, 2)
     assert sorted(int(dict(m.headers())[HEADER_OFFSET]) for m in letters) == list(range(10, 19))  # each once
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in metrics.registry.collect() for s in family.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in metrics.registry.collect()
+        for s in family.samples
+    }
     assert samples[("streamtrain_dead_letter_events_total", (("reason", "truncated"),))] == 8
     assert samples[("streamtrain_dead_letter_events_total", (("reason", "bad_varint"),))] == 1
     assert samples[("streamtrain_dead_letter_blocked", ())] == 0
@@ -270,19 +296,28 @@ def send(kafka, topic: str, partitions: int, messages: list[Sent]) -> dict[tuple
                 failures.append(error)
             else:
                 placed[(reply.partition(), reply.offset())] = message
+
         return report
 
     for i, message in enumerate(messages):
-        producer.produce(topic, value=message.value, key=message.key, partition=i % partitions,
-                         timestamp=message.timestamp_ms, headers=message.headers, on_delivery=delivered(message))
+        producer.produce(
+            topic,
+            value=message.value,
+            key=message.key,
+            partition=i % partitions,
+            timestamp=message.timestamp_ms,
+            headers=message.headers,
+            on_delivery=delivered(message),
+        )
         producer.poll(0)
     assert producer.flush(30) == 0 and not failures, failures
     return placed
 
 
 def read_all(kafka, topic: str, partitions: int) -> list:
-    consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": "dlq-inspector",
-                         "enable.auto.commit": False})
+    consumer = Consumer(
+        {"bootstrap.servers": kafka.bootstrap_servers, "group.id": "dlq-inspector", "enable.auto.commit": False}
+    )
     try:
         ends = {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)}
         consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
@@ -299,9 +334,16 @@ def read_all(kafka, topic: str, partitions: int) -> list:
 def valid_messages(count: int, seed: int) -> list[Sent]:
     """Valid events, alternately from writer versions 1 and 2."""
     records = ClickStream(seed=seed).chunk(count).records
-    return [Sent(b"user-%d" % r["user_id"], _encode_v2(r, i % 3) if i % 2 else _encode(r), BASE_TIME_MS + i,
-                 [("trace", b"valid-%d" % i)], None)
-            for i, r in enumerate(records)]
+    return [
+        Sent(
+            b"user-%d" % r["user_id"],
+            _encode_v2(r, i % 3) if i % 2 else _encode(r),
+            BASE_TIME_MS + i,
+            [("trace", b"valid-%d" % i)],
+            None,
+        )
+        for i, r in enumerate(records)
+    ]
 
 
 def dlq_env(dlq: str, **overrides: object) -> dict[str, str]:
@@ -321,17 +363,29 @@ def test_bad_payloads_land_in_the_dead_letter_topic_and_the_rest_trains(kafka, t
         for n, case in enumerate(cases):
             record = ClickStream(seed=100 + n).chunk(1).records[0]
             key = None if copy else b"bad-%d" % n  # a null key must survive too
-            bad.append(Sent(key, case.build(record), BASE_TIME_MS + 10_000 + 100 * copy + n,
-                            [("trace", b"bad-%d-%d" % (copy, n)), ("empty", b"")], case.reason))
+            bad.append(
+                Sent(
+                    key,
+                    case.build(record),
+                    BASE_TIME_MS + 10_000 + 100 * copy + n,
+                    [("trace", b"bad-%d-%d" % (copy, n)), ("empty", b"")],
+                    case.reason,
+                )
+            )
     # Each bad event between two valid ones, so the copies alternate over the two partitions.
     rest = iter(valid[200:])
     messages = valid[:200] + [m for b in bad for m in (b, next(rest), next(rest))] + list(rest)
     placed = send(kafka, topic_name, partitions, messages)
 
     worker = start_worker(topic_name, config=DLQ_CONFIG, env=dlq_env(dlq))
-    worker.wait_for(lambda: worker.total("streamtrain_events_trained_total") >= len(valid)
-                    and worker.total("streamtrain_dead_letter_events_total") >= len(bad),
-                    timeout=120, what="every valid event trained and every bad one dead-lettered")
+    worker.wait_for(
+        lambda: (
+            worker.total("streamtrain_events_trained_total") >= len(valid)
+            and worker.total("streamtrain_dead_letter_events_total") >= len(bad)
+        ),
+        timeout=120,
+        what="every valid event trained and every bad one dead-lettered",
+    )
     time.sleep(1.0)  # nothing more may be counted
     samples = worker.scrape()
     assert worker.total("streamtrain_events_trained_total", samples) == len(valid)
@@ -362,27 +416,27 @@ def test_bad_payloads_land_in_the_dead_letter_topic_and_the_rest_trains(kafka, t
         source = placed[(int(headers[HEADER_PARTITION]), int(headers[HEADER_OFFSET]))]
         assert source.reason is not None, "a valid event reached the dead-letter topic"
         assert headers[HEADER_REASON] == source.reason.encode(), (letter.value(), headers)
-        assert (letter.key(), letter.value(), letter.timestamp()[1]) == (source.key, source.value,
-                                                                           source.timestamp_ms)
-        assert letter.headers()[:len(source.headers)] == source.headers  # the event's own headers first
+        assert (letter.key(), letter.value(), letter.timestamp()[1]) == (source.key, source.value, source.timestamp_ms)
+        assert letter.headers()[: len(source.headers)] == source.headers  # the event's own headers first
     assert Counter(dict(letter.headers())[HEADER_REASON].decode() for letter in letters) == want_reasons
     assert len(valid) + len(letters) == len(messages)
 
 
 @pytest.mark.integration
-def test_an_unwritable_dead_letter_topic_blocks_consumption_until_it_can_be_written(kafka, topic_name,
-                                                                                    start_worker):
+def test_an_unwritable_dead_letter_topic_blocks_consumption_until_it_can_be_written(kafka, topic_name, start_worker):
     dlq = topic_name + ".dlq"  # not created yet; the broker does not create topics on demand
     valid = valid_messages(600, seed=12)
-    truncated = Sent(b"bad", _encode(ClickStream(seed=3).chunk(1).records[0])[:10], BASE_TIME_MS + 5, [],
-                     "truncated")
+    truncated = Sent(b"bad", _encode(ClickStream(seed=3).chunk(1).records[0])[:10], BASE_TIME_MS + 5, [], "truncated")
     placed = send(kafka, topic_name, 1, valid[:300] + [truncated] + valid[300:])
     bad_offset = 300
     assert placed[(0, bad_offset)] is truncated
 
     worker = start_worker(topic_name, config=DLQ_CONFIG, env=dlq_env(dlq))
-    worker.wait_for(lambda: worker.scrape().get("streamtrain_dead_letter_blocked") == 1, timeout=90,
-                    what="consumption to block on the dead-letter topic")
+    worker.wait_for(
+        lambda: worker.scrape().get("streamtrain_dead_letter_blocked") == 1,
+        timeout=90,
+        what="consumption to block on the dead-letter topic",
+    )
     time.sleep(3.0)  # several attempts, and position commits (every second) while blocked
     samples = worker.scrape()
     assert samples["streamtrain_dead_letter_blocked"] == 1
@@ -395,8 +449,11 @@ def test_an_unwritable_dead_letter_topic_blocks_consumption_until_it_can_be_writ
     assert f"consumption of {topic_name} is BLOCKED at partition 0 offset {bad_offset}" in output
 
     create_topic(kafka.bootstrap_servers, dlq, 1)
-    worker.wait_for(lambda: worker.total("streamtrain_events_trained_total") == len(valid), timeout=60,
-                    what="training to resume once the dead-letter topic exists")
+    worker.wait_for(
+        lambda: worker.total("streamtrain_events_trained_total") == len(valid),
+        timeout=60,
+        what="training to resume once the dead-letter topic exists",
+    )
     samples = worker.scrape()
     assert samples["streamtrain_dead_letter_blocked"] == 0
     assert worker.total("streamtrain_dead_letter_events_total", samples) == 1
@@ -405,32 +462,39 @@ def test_an_unwritable_dead_letter_topic_blocks_consumption_until_it_can_be_writ
     assert committed_offsets(kafka, topic_name, f"group-{topic_name}", 1) == {0: len(valid) + 1}
     letters = read_all(kafka, dlq, 1)
     assert [(m.key(), m.value(), dict(m.headers())[HEADER_OFFSET]) for m in letters] == [
-        (b"bad", truncated.value, b"%d" % bad_offset)]
+        (b"bad", truncated.value, b"%d" % bad_offset)
+    ]
 
 
 @pytest.mark.integration
-def test_a_poisoned_topic_pauses_consumption_loudly_and_resumes_after_the_cooldown(kafka, topic_name,
-                                                                                     start_worker):
+def test_a_poisoned_topic_pauses_consumption_loudly_and_resumes_after_the_cooldown(kafka, topic_name, start_worker):
     dlq = topic_name + ".dlq"
     create_topic(kafka.bootstrap_servers, dlq, 1)
     garbage = [Sent(None, b"\xff" * 11 + b"\x01", BASE_TIME_MS + i, [], None) for i in range(400)]
     send(kafka, topic_name, 1, garbage)
 
     # batch_size is 256: the first batch (256 bad events) trips the limit at once.
-    worker = start_worker(topic_name, config=DLQ_CONFIG, env=dlq_env(
-        dlq, max_error_rate=0.5, window_events=100, pause_seconds=4))
-    worker.wait_for(lambda: worker.scrape().get("streamtrain_consumption_paused") == 1, timeout=90,
-                    what="consumption to pause")
+    worker = start_worker(
+        topic_name, config=DLQ_CONFIG, env=dlq_env(dlq, max_error_rate=0.5, window_events=100, pause_seconds=4)
+    )
+    worker.wait_for(
+        lambda: worker.scrape().get("streamtrain_consumption_paused") == 1, timeout=90, what="consumption to pause"
+    )
     samples = worker.scrape()
     assert samples["streamtrain_consumption_pauses_total"] == 1
     assert worker.total("streamtrain_events_consumed_total", samples) == 256  # nothing read while paused
     assert worker.total("streamtrain_dead_letter_events_total", samples) == 256
-    assert f"PAUSING consumption of {topic_name} for 4s: 256 of the last 256 events could not be decoded" \
+    assert (
+        f"PAUSING consumption of {topic_name} for 4s: 256 of the last 256 events could not be decoded"
         in worker.output()
+    )
 
     # After the cooldown it reads again, and the rest (144 bad events, over the 100-event window) pauses it again.
-    worker.wait_for(lambda: worker.scrape().get("streamtrain_consumption_pauses_total") == 2, timeout=30,
-                    what="a second pause after resuming")
+    worker.wait_for(
+        lambda: worker.scrape().get("streamtrain_consumption_pauses_total") == 2,
+        timeout=30,
+        what="a second pause after resuming",
+    )
     samples = worker.scrape()
     assert worker.total("streamtrain_dead_letter_events_total", samples) == 400
     assert samples["streamtrain_consumption_paused"] == 1
@@ -448,8 +512,11 @@ def test_a_stop_while_blocked_exits_cleanly_without_passing_the_bad_event(kafka,
     valid = valid_messages(300, seed=13)
     send(kafka, topic_name, 1, valid[:100] + [Sent(b"bad", b"", BASE_TIME_MS, [], None)] + valid[100:])
     worker = start_worker(topic_name, config=DLQ_CONFIG, env=dlq_env(dlq))
-    worker.wait_for(lambda: worker.scrape().get("streamtrain_dead_letter_blocked") == 1, timeout=90,
-                    what="consumption to block on the dead-letter topic")
+    worker.wait_for(
+        lambda: worker.scrape().get("streamtrain_dead_letter_blocked") == 1,
+        timeout=90,
+        what="consumption to block on the dead-letter topic",
+    )
     signalled = time.monotonic()
     worker.signal(signal.SIGTERM)
     assert worker.wait(timeout=30) == 0
@@ -464,8 +531,11 @@ def test_with_dead_letters_disabled_bad_events_are_logged_counted_and_skipped(ka
     valid = valid_messages(200, seed=14)
     send(kafka, topic_name, 1, valid[:100] + [Sent(b"bad", b"", BASE_TIME_MS, [], None)] + valid[100:])
     worker = start_worker(topic_name, config=DLQ_CONFIG, env=dlq_env(topic_name + ".dlq", enabled="false"))
-    worker.wait_for(lambda: worker.total("streamtrain_events_trained_total") == len(valid), timeout=90,
-                    what="the valid events trained")
+    worker.wait_for(
+        lambda: worker.total("streamtrain_events_trained_total") == len(valid),
+        timeout=90,
+        what="the valid events trained",
+    )
     samples = worker.scrape()
     assert worker.total("streamtrain_decode_errors_total", samples) == 1
     assert worker.total("streamtrain_dead_letter_events_total", samples) == 0
@@ -478,8 +548,9 @@ def test_with_dead_letters_disabled_bad_events_are_logged_counted_and_skipped(ka
 
 
 @pytest.mark.integration
-def test_bad_writer_schema_and_unresolvable_writer_events_are_dead_lettered_with_why(kafka, topic_name, start_worker,
-                                                                                     tmp_path):
+def test_bad_writer_schema_and_unresolvable_writer_events_are_dead_lettered_with_why(
+    kafka, topic_name, start_worker, tmp_path
+):
     """A broken <id>.avsc and a writer the reader cannot resolve do not stop the worker: their events
     go to the dead-letter topic with the reason and a detail naming the schema id and why."""
     for name in ("1.avsc", "2.avsc"):
@@ -491,17 +562,27 @@ def test_bad_writer_schema_and_unresolvable_writer_events_are_dead_lettered_with
     create_topic(kafka.bootstrap_servers, dlq, 1)
     valid = valid_messages(300, seed=15)
     records = ClickStream(seed=16).chunk(6).records
-    bad = [Sent(b"bad-%d" % i, framed(_encode(r)[5:], schema_id=3), BASE_TIME_MS + i, [], "bad_writer_schema")
-           for i, r in enumerate(records[:3])]
-    bad += [Sent(b"bad-%d" % i, framed(avro_fields(r, FIELDS, doubles), schema_id=4), BASE_TIME_MS + i, [],
-                 "undecodable") for i, r in enumerate(records[3:], 3)]
+    bad = [
+        Sent(b"bad-%d" % i, framed(_encode(r)[5:], schema_id=3), BASE_TIME_MS + i, [], "bad_writer_schema")
+        for i, r in enumerate(records[:3])
+    ]
+    bad += [
+        Sent(b"bad-%d" % i, framed(avro_fields(r, FIELDS, doubles), schema_id=4), BASE_TIME_MS + i, [], "undecodable")
+        for i, r in enumerate(records[3:], 3)
+    ]
     placed = send(kafka, topic_name, 1, valid[:100] + bad[::2] + valid[100:200] + bad[1::2] + valid[200:])
 
-    worker = start_worker(topic_name, config=DLQ_CONFIG, env={
-        **dlq_env(dlq), "STREAMTRAIN_FEATURES__WRITER_SCHEMAS_DIR": str(tmp_path)})
-    worker.wait_for(lambda: worker.total("streamtrain_events_trained_total") >= len(valid)
-                    and worker.total("streamtrain_dead_letter_events_total") >= len(bad),
-                    timeout=120, what="every valid event trained and every bad one dead-lettered")
+    worker = start_worker(
+        topic_name, config=DLQ_CONFIG, env={**dlq_env(dlq), "STREAMTRAIN_FEATURES__WRITER_SCHEMAS_DIR": str(tmp_path)}
+    )
+    worker.wait_for(
+        lambda: (
+            worker.total("streamtrain_events_trained_total") >= len(valid)
+            and worker.total("streamtrain_dead_letter_events_total") >= len(bad)
+        ),
+        timeout=120,
+        what="every valid event trained and every bad one dead-lettered",
+    )
     samples = worker.scrape()
     assert worker.total("streamtrain_events_trained_total", samples) == len(valid)
     assert samples['streamtrain_dead_letter_events_total{reason="bad_writer_schema"}'] == 3
@@ -510,8 +591,10 @@ def test_bad_writer_schema_and_unresolvable_writer_events_are_dead_lettered_with
     assert worker.wait(timeout=30) == 0
     output = worker.output()
     assert output.count("writer schema 3 is broken") == 1, "one ERROR line per id"
-    assert output.count("events of writer schema 4 will be dead-lettered: price: writer double cannot be read "
-                        "as float") == 1
+    assert (
+        output.count("events of writer schema 4 will be dead-lettered: price: writer double cannot be read as float")
+        == 1
+    )
 
     letters = read_all(kafka, dlq, 1)
     assert len(letters) == len(bad)
@@ -523,5 +606,7 @@ def test_bad_writer_schema_and_unresolvable_writer_events_are_dead_lettered_with
         if source.reason == "bad_writer_schema":
             assert detail.startswith(f"bad_writer_schema: writer schema 3: {tmp_path / '3.avsc'} is not JSON"), detail
         else:
-            assert detail == ("undecodable: writer schema 4 cannot be resolved to the reader: "
-                              "price: writer double cannot be read as float")
+            assert detail == (
+                "undecodable: writer schema 4 cannot be resolved to the reader: "
+                "price: writer double cannot be read as float"
+            )

@@ -34,31 +34,65 @@ from streamtrain.source import RawEvent  # noqa: E402
 PAYLOADS = int(os.environ.get("STREAMTRAIN_FUZZ_PAYLOADS", "20000"))
 BATCH = 1000
 
-RICH_READER = {"type": "record", "name": "Rich", "fields": [
-    {"name": "clk", "type": ["null", "int"]},
-    {"name": "ts", "type": {"type": "long", "logicalType": "timestamp-micros"}},
-    {"name": "user", "type": {"type": "record", "name": "User", "fields": [
-        {"name": "id", "type": "long"}, {"name": "country", "type": ["null", "string"], "default": None}]}},
-    {"name": "kind", "type": {"type": "enum", "name": "Kind", "symbols": ["A", "B", "C"], "default": "A"}},
-    {"name": "tags", "type": {"type": "array", "items": "string"}, "default": []},
-    {"name": "score", "type": ["null", "double"], "default": None},
-    {"name": "flag", "type": "boolean", "default": False},
-]}
-RICH_WRITER = {"type": "record", "name": "Rich", "fields": [
-    {"name": "attrs", "type": {"type": "map", "values": ["null", "long", "string"]}},
-    {"name": "kind", "type": {"type": "enum", "name": "Kind", "symbols": ["D", "C", "B", "A"]}},
-    {"name": "user", "type": {"type": "record", "name": "User", "fields": [
-        {"name": "id", "type": "int"}, {"name": "country", "type": ["null", "bytes"]}]}},
-    {"name": "digest", "type": {"type": "fixed", "name": "Digest", "size": 4}},
-    {"name": "clk", "type": ["null", "int"]},
-    {"name": "tags", "type": {"type": "array", "items": "bytes"}},
-    {"name": "score", "type": ["null", "float"]},
-    {"name": "ts", "type": "long"},
-]}
+RICH_READER = {
+    "type": "record",
+    "name": "Rich",
+    "fields": [
+        {"name": "clk", "type": ["null", "int"]},
+        {"name": "ts", "type": {"type": "long", "logicalType": "timestamp-micros"}},
+        {
+            "name": "user",
+            "type": {
+                "type": "record",
+                "name": "User",
+                "fields": [
+                    {"name": "id", "type": "long"},
+                    {"name": "country", "type": ["null", "string"], "default": None},
+                ],
+            },
+        },
+        {"name": "kind", "type": {"type": "enum", "name": "Kind", "symbols": ["A", "B", "C"], "default": "A"}},
+        {"name": "tags", "type": {"type": "array", "items": "string"}, "default": []},
+        {"name": "score", "type": ["null", "double"], "default": None},
+        {"name": "flag", "type": "boolean", "default": False},
+    ],
+}
+RICH_WRITER = {
+    "type": "record",
+    "name": "Rich",
+    "fields": [
+        {"name": "attrs", "type": {"type": "map", "values": ["null", "long", "string"]}},
+        {"name": "kind", "type": {"type": "enum", "name": "Kind", "symbols": ["D", "C", "B", "A"]}},
+        {
+            "name": "user",
+            "type": {
+                "type": "record",
+                "name": "User",
+                "fields": [{"name": "id", "type": "int"}, {"name": "country", "type": ["null", "bytes"]}],
+            },
+        },
+        {"name": "digest", "type": {"type": "fixed", "name": "Digest", "size": 4}},
+        {"name": "clk", "type": ["null", "int"]},
+        {"name": "tags", "type": {"type": "array", "items": "bytes"}},
+        {"name": "score", "type": ["null", "float"]},
+        {"name": "ts", "type": "long"},
+    ],
+}
 # A recursive type: beyond the program compiler, so its payloads take the fastavro fallback.
-RICH_RECURSIVE = {**RICH_WRITER, "fields": RICH_WRITER["fields"] + [
-    {"name": "tree", "type": {"type": "record", "name": "Node", "fields": [
-        {"name": "children", "type": {"type": "array", "items": "Node"}}]}}]}
+RICH_RECURSIVE = {
+    **RICH_WRITER,
+    "fields": RICH_WRITER["fields"]
+    + [
+        {
+            "name": "tree",
+            "type": {
+                "type": "record",
+                "name": "Node",
+                "fields": [{"name": "children", "type": {"type": "array", "items": "Node"}}],
+            },
+        }
+    ],
+}
 RICH_FEATURES = {
     "tables": [
         {"name": "user", "field": "user.id", "num_embeddings": 1000, "embedding_dim": 4, "id_mapping": "hash"},
@@ -68,7 +102,8 @@ RICH_FEATURES = {
         {"name": "flag", "field": "flag", "num_embeddings": 2, "embedding_dim": 4},
     ],
     "dense": [{"field": "score", "transform": "log1p"}, {"field": "user.id"}],
-    "label": "clk", "event_time": "ts",
+    "label": "clk",
+    "event_time": "ts",
 }
 
 
@@ -76,8 +111,8 @@ def rich_record(rng: random.Random, writer: bool) -> dict:
     text = lambda: "".join(rng.choice("abcé") for _ in range(rng.randint(0, 4)))  # noqa: E731
     record = {
         "clk": rng.choice([None, 0, 1]),
-        "ts": rng.randint(-2 ** 40, 2 ** 40),
-        "user": {"id": rng.randint(-2 ** 31, 2 ** 31 - 1), "country": rng.choice([None, text()])},
+        "ts": rng.randint(-(2**40), 2**40),
+        "user": {"id": rng.randint(-(2**31), 2**31 - 1), "country": rng.choice([None, text()])},
         "kind": rng.choice(["A", "B", "C"] + (["D"] if writer else [])),
         "tags": [text() for _ in range(rng.randint(0, 3))],
         "score": rng.choice([None, rng.uniform(-2, 1e3), float("nan")]),
@@ -107,11 +142,19 @@ def mutate(rng: random.Random, payload: bytes, keep: int) -> bytes:
         for _ in range(rng.randint(1, 4)):
             data[rng.choice(body) if body else 0] ^= 1 << rng.randrange(8)
     elif kind == 1:  # truncation
-        del data[rng.randint(0, len(data)):]
+        del data[rng.randint(0, len(data)) :]
     elif kind == 2:  # a huge or negative length or count spliced in
         at = rng.randint(keep, len(data)) if len(data) >= keep else 0
-        data[at:at] = rng.choice([b"\xff\xff\xff\xff\x0f", b"\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01",
-                                  b"\x01", b"\xfe\xff\xff\xff\xff\xff\xff\xff\xff\x01", b"\x7f", b"\x81\x01"])
+        data[at:at] = rng.choice(
+            [
+                b"\xff\xff\xff\xff\x0f",
+                b"\x80\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01",
+                b"\x01",
+                b"\xfe\xff\xff\xff\xff\xff\xff\xff\xff\x01",
+                b"\x7f",
+                b"\x81\x01",
+            ]
+        )
     elif kind == 3:  # random bytes
         data = bytearray(rng.getrandbits(8) for _ in range(rng.randint(0, 40)))
     elif kind == 4:  # trailing bytes
@@ -120,7 +163,7 @@ def mutate(rng: random.Random, payload: bytes, keep: int) -> bytes:
         data[rng.choice(body)] = rng.choice([0x00, 0x01, 0x7F, 0x80, 0xFF])
     elif kind == 6 and len(data) > keep + 1:  # a slice deleted from the middle
         a = rng.choice(body)
-        del data[a:a + rng.randint(1, 4)]
+        del data[a : a + rng.randint(1, 4)]
     elif kind == 7:  # a broken Confluent header
         data[:1] = rng.choice([b"", b"\x01", b"\x00\x00"])
     # kind 8 (and the others when they cannot apply): unchanged, a valid payload
@@ -143,23 +186,32 @@ def fuzz_payloads(count: int, seed: int) -> tuple[list[bytes], list[bytes]]:
         body = encode({1: RICH_WRITER, 3: RICH_RECURSIVE}.get(schema_id, RICH_READER), record)
         rich_seeds.append(b"\x00" + schema_id.to_bytes(4, "big") + body)
     half = count // 2
-    return ([mutate(rng, rng.choice(click_seeds), 0) for _ in range(half)],
-            [mutate(rng, rng.choice(rich_seeds), 5) for _ in range(count - half)])
+    return (
+        [mutate(rng, rng.choice(click_seeds), 0) for _ in range(half)],
+        [mutate(rng, rng.choice(rich_seeds), 5) for _ in range(count - half)],
+    )
 
 
 def decoders(tmp_path: Path):
     reader_path = tmp_path / "rich.avsc"
     reader_path.write_text(json.dumps(RICH_READER))
     rich = FeaturesConfig.model_validate(
-        {**RICH_FEATURES, "schema_path": str(reader_path), "wire_format": "confluent",
-         "writer_schemas_dir": str(tmp_path)})
+        {
+            **RICH_FEATURES,
+            "schema_path": str(reader_path),
+            "wire_format": "confluent",
+            "writer_schemas_dir": str(tmp_path),
+        }
+    )
     source = Schemas({0: RICH_READER, 1: RICH_WRITER, 3: RICH_RECURSIVE})
     import yaml
 
     small = yaml.safe_load((REPO / "tests" / "worker-small.yaml").read_text())["features"]
     click = FeaturesConfig.model_validate(small)
-    pairs = [(AvroBatchDecoder(click), FastavroDecoder(click)),
-             (AvroBatchDecoder(rich, source), FastavroDecoder(rich, source))]
+    pairs = [
+        (AvroBatchDecoder(click), FastavroDecoder(click)),
+        (AvroBatchDecoder(rich, source), FastavroDecoder(rich, source)),
+    ]
     for compiled, _oracle in pairs:
         compiled.decode([])  # the JIT compile, if the cache is cold, is not the time a batch takes
     return pairs
@@ -175,8 +227,11 @@ def check_batch(compiled, oracle, events) -> dict[str, int]:
     oracle_reasons = {e.offset: reason_code(r) for e, r in expected.rejected}
     assert set(reasons.values()) <= set(REASONS)
     assert got.batch.size + len(got.rejected) == len(events)
-    differ = [(o, reasons.get(o), oracle_reasons.get(o), events[o].value.hex())
-              for o in reasons.keys() | oracle_reasons.keys() if reasons.get(o) != oracle_reasons.get(o)]
+    differ = [
+        (o, reasons.get(o), oracle_reasons.get(o), events[o].value.hex())
+        for o in reasons.keys() | oracle_reasons.keys()
+        if reasons.get(o) != oracle_reasons.get(o)
+    ]
     assert not differ, f"{len(differ)} payloads get another reason from fastavro, e.g. {differ[:3]}"
     accepted = [e.offset for e in events if e.offset not in reasons]
     # The events both accept decode to the same columns.
@@ -190,7 +245,7 @@ def check_batch(compiled, oracle, events) -> dict[str, int]:
     np.testing.assert_array_equal(got.batch.labels.numpy(), expected.batch.labels.numpy())
     np.testing.assert_array_equal(got.batch.event_time_ms.numpy(), expected.batch.event_time_ms.numpy())
     assert np.isfinite(got.batch.dense_features.numpy()).all()
-    for key, sizes in zip(kjt.keys(), compiled.features.tables):
+    for key, sizes in zip(kjt.keys(), compiled.features.tables, strict=True):
         rows = kjt[key].values().numpy()
         assert ((rows >= 0) & (rows < sizes.num_embeddings)).all()
     counts: dict[str, int] = {}
@@ -204,9 +259,9 @@ def test_random_and_mutated_payloads_are_decoded_or_rejected_with_the_same_reaso
     started = time.perf_counter()
     click_payloads, rich_payloads = fuzz_payloads(PAYLOADS, seed=PAYLOADS)
     totals: dict[str, int] = {}
-    for (compiled, oracle), payloads in zip(decoders(tmp_path), (click_payloads, rich_payloads)):
+    for (compiled, oracle), payloads in zip(decoders(tmp_path), (click_payloads, rich_payloads), strict=True):
         for first in range(0, len(payloads), BATCH):
-            events = [RawEvent(0, i, p, 0) for i, p in enumerate(payloads[first:first + BATCH])]
+            events = [RawEvent(0, i, p, 0) for i, p in enumerate(payloads[first : first + BATCH])]
             for reason, count in check_batch(compiled, oracle, events).items():
                 totals[reason] = totals.get(reason, 0) + count
     print(f"\n{PAYLOADS:,} payloads in {time.perf_counter() - started:.1f}s: {dict(sorted(totals.items()))}")
@@ -219,8 +274,13 @@ def test_no_read_outside_a_payload_with_numba_bounds_checks(tmp_path):
     end would raise IndexError in the subprocess."""
     count = PAYLOADS
     result = subprocess.run(
-        [sys.executable, __file__, "bounds", str(count), str(tmp_path)], cwd=REPO, capture_output=True, text=True,
-        timeout=600, env={**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(tmp_path / "numba")})
+        [sys.executable, __file__, "bounds", str(count), str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "NUMBA_BOUNDSCHECK": "1", "NUMBA_CACHE_DIR": str(tmp_path / "numba")},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"checked {count} payloads" in result.stdout
 
@@ -228,7 +288,7 @@ def test_no_read_outside_a_payload_with_numba_bounds_checks(tmp_path):
 def _bounds(count: int, tmp_path: Path) -> None:
     click_payloads, rich_payloads = fuzz_payloads(count, seed=count + 1)
     checked = 0
-    for (compiled, _oracle), payloads in zip(decoders(tmp_path), (click_payloads, rich_payloads)):
+    for (compiled, _oracle), payloads in zip(decoders(tmp_path), (click_payloads, rich_payloads), strict=True):
         for payload in payloads:
             # Copied, so the buffer ends where the payload does.
             buf = np.frombuffer(bytes(payload), dtype=np.uint8).copy()
@@ -244,9 +304,19 @@ def _bounds(count: int, tmp_path: Path) -> None:
                 entry[0] = compiled._entry(None)
             if entry[0] >= 0 and len(payload):
                 lengths = np.zeros((len(compiled.features.tables), 1), np.int32)
-                ap.run_batch(buf, starts, ends, entry, compiled.code, False, status, lengths,
-                             np.zeros((1, len(compiled.features.dense)), np.float32), np.zeros(1, np.float32),
-                             np.zeros(1, np.int64))
+                ap.run_batch(
+                    buf,
+                    starts,
+                    ends,
+                    entry,
+                    compiled.code,
+                    False,
+                    status,
+                    lengths,
+                    np.zeros((1, len(compiled.features.dense)), np.float32),
+                    np.zeros(1, np.float32),
+                    np.zeros(1, np.int64),
+                )
             checked += 1
     print(f"checked {checked} payloads")
 

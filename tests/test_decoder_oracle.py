@@ -21,8 +21,8 @@ from streamtrain.decode import AvroBatchDecoder, FastavroDecoder
 from streamtrain.source import RawEvent
 
 EXAMPLES = int(os.environ.get("STREAMTRAIN_ORACLE_EXAMPLES", "120"))
-INT32 = st.integers(-(2 ** 31), 2 ** 31 - 1)
-INT64 = st.integers(-(2 ** 63), 2 ** 63 - 1)
+INT32 = st.integers(-(2**31), 2**31 - 1)
+INT64 = st.integers(-(2**63), 2**63 - 1)
 TEXT = st.text(string.ascii_letters + "é_0", max_size=6)
 # fastavro reports a record its reader cannot resolve as an error; the compiled path names the
 # union branch or enum symbol at fault. Both reject the event.
@@ -55,13 +55,21 @@ def feature_field(draw, index: int) -> tuple[dict, list[tuple[str, str]]]:
     elif kind == "dense":
         avro = draw(st.sampled_from(["int", "long", "float", "double"]))
         field, features = {"name": name, "type": avro}, [("dense", name)]
-        default = {"int": INT32, "long": INT64, "float": st.floats(width=32, allow_nan=False),
-                   "double": st.floats(allow_nan=False)}[avro]
+        default = {
+            "int": INT32,
+            "long": INT64,
+            "float": st.floats(width=32, allow_nan=False),
+            "double": st.floats(allow_nan=False),
+        }[avro]
     else:
-        inner = {"type": "record", "name": f"N{index}", "fields": [
-            {"name": "id", "type": draw(st.sampled_from(["long", "string"]))},
-            {"name": "x", "type": draw(st.sampled_from(["float", "double"]))},
-        ]}
+        inner = {
+            "type": "record",
+            "name": f"N{index}",
+            "fields": [
+                {"name": "id", "type": draw(st.sampled_from(["long", "string"]))},
+                {"name": "x", "type": draw(st.sampled_from(["float", "double"]))},
+            ],
+        }
         field, features = {"name": name, "type": inner}, [("table", f"{name}.id"), ("dense", f"{name}.x")]
         default = None
     if draw(st.booleans()):
@@ -73,10 +81,24 @@ def feature_field(draw, index: int) -> tuple[dict, list[tuple[str, str]]]:
 
 
 EXTRA_TYPES = [
-    "int", "string", "double", {"type": "map", "values": "long"}, {"type": "fixed", "name": "Fx", "size": 3},
-    ["null", "int", "string"], {"type": "array", "items": {"type": "record", "name": "Item", "fields": [
-        {"name": "a", "type": "long"}, {"name": "b", "type": ["null", "string"]}]}},
-    {"type": "enum", "name": "Extra", "symbols": ["A", "B"]}, "boolean", "bytes", "float",
+    "int",
+    "string",
+    "double",
+    {"type": "map", "values": "long"},
+    {"type": "fixed", "name": "Fx", "size": 3},
+    ["null", "int", "string"],
+    {
+        "type": "array",
+        "items": {
+            "type": "record",
+            "name": "Item",
+            "fields": [{"name": "a", "type": "long"}, {"name": "b", "type": ["null", "string"]}],
+        },
+    },
+    {"type": "enum", "name": "Extra", "symbols": ["A", "B"]},
+    "boolean",
+    "bytes",
+    "float",
 ]
 
 
@@ -95,8 +117,13 @@ def promoted(avro, draw):
         elif avro["type"] == "enum":
             avro["symbols"] = draw(st.permutations(avro["symbols"]))
         return avro
-    choices = {"long": ["long", "int"], "float": ["float", "int", "long"], "double": ["double", "float", "int", "long"],
-               "string": ["string", "bytes"], "bytes": ["bytes", "string"]}.get(avro, [avro])
+    choices = {
+        "long": ["long", "int"],
+        "float": ["float", "int", "long"],
+        "double": ["double", "float", "int", "long"],
+        "string": ["string", "bytes"],
+        "bytes": ["bytes", "string"],
+    }.get(avro, [avro])
     return draw(st.sampled_from(choices))
 
 
@@ -104,17 +131,34 @@ def promoted(avro, draw):
 def setups(draw):
     label = draw(st.sampled_from(["int", "long", "boolean", "float", "double"]))
     label_field = {"name": "clk", "type": ["null", label] if draw(st.booleans()) else label}
-    time_field = {"name": "ts", "type": draw(st.sampled_from([
-        {"type": "long", "logicalType": "timestamp-millis"}, {"type": "long", "logicalType": "timestamp-micros"},
-        "long", ["null", "long"]]))}
+    time_field = {
+        "name": "ts",
+        "type": draw(
+            st.sampled_from(
+                [
+                    {"type": "long", "logicalType": "timestamp-millis"},
+                    {"type": "long", "logicalType": "timestamp-micros"},
+                    "long",
+                    ["null", "long"],
+                ]
+            )
+        ),
+    }
     fields, tables, dense = [label_field, time_field], [], []
     for i in range(draw(st.integers(1, 6))):
         field, features = draw(feature_field(i))
         fields.append(field)
         for role, path in features:
             if role == "table":
-                tables.append({"name": f"t{len(tables)}", "field": path, "num_embeddings": draw(st.integers(1, 1000)),
-                               "embedding_dim": 4, "id_mapping": draw(st.sampled_from(["modulo", "hash"]))})
+                tables.append(
+                    {
+                        "name": f"t{len(tables)}",
+                        "field": path,
+                        "num_embeddings": draw(st.integers(1, 1000)),
+                        "embedding_dim": 4,
+                        "id_mapping": draw(st.sampled_from(["modulo", "hash"])),
+                    }
+                )
             else:
                 dense.append({"field": path, "transform": draw(st.sampled_from(["none", "log1p"]))})
     if not tables:
@@ -139,8 +183,13 @@ def setups(draw):
         used.add(key)
         writer_fields.append({"name": f"extra{j}", "type": extra})
     writer = {"type": "record", "name": "Event", "fields": draw(st.permutations(writer_fields))}
-    features = {"tables": tables, "dense": dense, "label": "clk", "event_time": "ts",
-                "non_finite_dense": draw(st.sampled_from(["dead_letter", "clip"]))}
+    features = {
+        "tables": tables,
+        "dense": dense,
+        "label": "clk",
+        "event_time": "ts",
+        "non_finite_dense": draw(st.sampled_from(["dead_letter", "clip"])),
+    }
     return reader, writer, features
 
 
@@ -163,19 +212,31 @@ def value_for(avro, draw):
         if kind == "fixed":
             return draw(st.binary(min_size=avro["size"], max_size=avro["size"]))
         if kind == "long":  # a timestamp
-            return draw(st.one_of(INT64, st.integers(-10 ** 6, 10 ** 6)))
-    return draw({"null": st.none(), "boolean": st.booleans(), "int": INT32,
-                 "long": st.one_of(INT64, st.integers(-1000, 1000)),
-                 "float": st.floats(width=32), "double": st.one_of(st.floats(), st.floats(-1e3, 1e3)),
-                 "string": TEXT, "bytes": st.binary(max_size=6)}[avro])
+            return draw(st.one_of(INT64, st.integers(-(10**6), 10**6)))
+    return draw(
+        {
+            "null": st.none(),
+            "boolean": st.booleans(),
+            "int": INT32,
+            "long": st.one_of(INT64, st.integers(-1000, 1000)),
+            "float": st.floats(width=32),
+            "double": st.one_of(st.floats(), st.floats(-1e3, 1e3)),
+            "string": TEXT,
+            "bytes": st.binary(max_size=6),
+        }[avro]
+    )
 
 
 def columns(result):
     batch = result.batch
-    return {"values": batch.sparse_features.values().numpy(), "lengths": batch.sparse_features.lengths().numpy(),
-            "dense": batch.dense_features.numpy(), "labels": batch.labels.numpy(),
-            "times": batch.event_time_ms.numpy(),
-            "rejected": [(e.offset, reason) for e, reason in result.rejected]}
+    return {
+        "values": batch.sparse_features.values().numpy(),
+        "lengths": batch.sparse_features.lengths().numpy(),
+        "dense": batch.dense_features.numpy(),
+        "labels": batch.labels.numpy(),
+        "times": batch.event_time_ms.numpy(),
+        "rejected": [(e.offset, reason) for e, reason in result.rejected],
+    }
 
 
 def assert_same(compiled, oracle):
@@ -209,14 +270,22 @@ def test_compiled_columns_equal_fastavros_with_schema_evolution(tmp_path_factory
     for record in records[:2]:
         try:
             out = io.BytesIO()
-            fastavro.schemaless_writer(out, parsed_reader, fastavro.schemaless_reader(
-                io.BytesIO(bodies[records.index(record)]), parsed_writer, parsed_reader))
+            fastavro.schemaless_writer(
+                out,
+                parsed_reader,
+                fastavro.schemaless_reader(io.BytesIO(bodies[records.index(record)]), parsed_writer, parsed_reader),
+            )
             framed.append(b"\x00" + (6).to_bytes(4, "big") + out.getvalue())
         except Exception:
             pass  # unresolvable (an enum symbol the reader lacks): the evolved payloads already cover it
     events = [RawEvent(0, i, p, 0) for i, p in enumerate(framed)]
-    compiled, oracle = decoders(tmp_path, reader, features, schema_source=Schemas({5: writer, 6: reader}),
-                                config={"wire_format": "confluent", "writer_schemas_dir": str(tmp_path)})
+    compiled, oracle = decoders(
+        tmp_path,
+        reader,
+        features,
+        schema_source=Schemas({5: writer, 6: reader}),
+        config={"wire_format": "confluent", "writer_schemas_dir": str(tmp_path)},
+    )
     assert_same(compiled.decode(events), oracle.decode(events))
     assert "fastavro" not in compiled.describe(5), "the schemas above are all in the compiled set"
 

@@ -35,10 +35,15 @@ def test_close_leaves_no_jvm_behind():
 
 def test_the_jvm_dies_with_a_killed_parent():
     owner = subprocess.Popen(
-        [sys.executable, "-c",
-         "from streamtrain.dev.kafka import KafkaBroker; import time; b = KafkaBroker(); b.start(); "
-         "print(b._process.pid, flush=True); time.sleep(600)"],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "from streamtrain.dev.kafka import KafkaBroker; import time; b = KafkaBroker(); b.start(); "
+            "print(b._process.pid, flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     jvm = int(owner.stdout.readline())
     assert alive(jvm)
     owner.send_signal(signal.SIGKILL)

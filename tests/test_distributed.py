@@ -34,14 +34,20 @@ def test_two_ranks_train_every_event_once_on_sharded_tables(kafka, topic_name, s
     expected = end_offsets(kafka, topic_name)
     plan_path = tmp_path / "plan.json"
     ranks = start_ranks(topic_name, 2, env={"STREAMTRAIN_DISTRIBUTED__PLAN_PATH": str(plan_path)})
-    ranks[0].wait_for(lambda: sum(trained_by_partition(ranks).values()) >= 8000, timeout=180,
-                      what="8000 events trained over both ranks")
+    ranks[0].wait_for(
+        lambda: sum(trained_by_partition(ranks).values()) >= 8000,
+        timeout=180,
+        what="8000 events trained over both ranks",
+    )
     time.sleep(1.0)
     assert trained_by_partition(ranks) == expected
     # each rank trains exactly the partitions it owns
     for rank_index, rank in enumerate(ranks):
-        owned = {int(k.split('partition="')[1].split('"')[0]) for k, v in rank.scrape().items()
-                 if k.startswith("streamtrain_events_trained_total{") and v > 0}
+        owned = {
+            int(k.split('partition="')[1].split('"')[0])
+            for k, v in rank.scrape().items()
+            if k.startswith("streamtrain_events_trained_total{") and v > 0
+        }
         assert owned == {p for p in range(PARTITIONS) if p % 2 == rank_index}
     plan = json.loads(plan_path.read_text())
     sharded_ranks = {s["rank"] for t in plan["tables"] if t["sharding_type"] != "data_parallel" for s in t["shards"]}
@@ -53,8 +59,7 @@ def test_two_ranks_train_every_event_once_on_sharded_tables(kafka, topic_name, s
 
 
 def test_all_traffic_on_one_rank_the_other_idle(kafka, topic_name, start_ranks):
-    produce(kafka.bootstrap_servers, topic_name, 5000, partitions=PARTITIONS, partition=0, seed=12,
-            schema_path=SCHEMA)
+    produce(kafka.bootstrap_servers, topic_name, 5000, partitions=PARTITIONS, partition=0, seed=12, schema_path=SCHEMA)
     ranks = start_ranks(topic_name, 2, "--until-end")
     assert [r.wait(timeout=180) for r in ranks] == [0, 0], ranks[0].output()[-3000:] + ranks[1].output()[-3000:]
     assert "rank 0 stopped after" in ranks[0].output() and "5,000 events trained" in ranks[0].output()
@@ -65,8 +70,7 @@ def test_all_traffic_on_one_rank_the_other_idle(kafka, topic_name, start_ranks):
 
 
 def test_idle_rank_metrics_stay_finite_and_idle_gaps_do_not_spin(kafka, topic_name, start_ranks):
-    produce(kafka.bootstrap_servers, topic_name, 2000, partitions=PARTITIONS, partition=2, seed=13,
-            schema_path=SCHEMA)
+    produce(kafka.bootstrap_servers, topic_name, 2000, partitions=PARTITIONS, partition=2, seed=13, schema_path=SCHEMA)
     ranks = start_ranks(topic_name, 2)
     trained = lambda: sum(trained_by_partition(ranks).values())  # noqa: E731
     ranks[0].wait_for(lambda: trained() >= 2000, timeout=180, what="the first burst")
@@ -77,11 +81,10 @@ def test_idle_rank_metrics_stay_finite_and_idle_gaps_do_not_spin(kafka, topic_na
     time.sleep(1.0)
     before = [cpu_seconds(r.process.pid) for r in ranks]
     time.sleep(10.0)
-    used = [cpu_seconds(r.process.pid) - b for r, b in zip(ranks, before)]
+    used = [cpu_seconds(r.process.pid) - b for r, b in zip(ranks, before, strict=True)]
     assert all(u < 3.0 for u in used), f"CPU seconds used by idle ranks over 10 s: {used}"
 
-    produce(kafka.bootstrap_servers, topic_name, 2000, partitions=PARTITIONS, partition=1, seed=14,
-            schema_path=SCHEMA)
+    produce(kafka.bootstrap_servers, topic_name, 2000, partitions=PARTITIONS, partition=1, seed=14, schema_path=SCHEMA)
     ranks[0].wait_for(lambda: trained() >= 4000, timeout=60, what="the burst after the gap")
     assert trained_by_partition(ranks) == {1: 2000, 2: 2000}
     ranks[0].signal(signal.SIGINT)
@@ -91,13 +94,31 @@ def test_idle_rank_metrics_stay_finite_and_idle_gaps_do_not_spin(kafka, topic_na
 def test_signal_to_one_rank_mid_stream_stops_all(kafka, topic_name, start_ranks):
     produce(kafka.bootstrap_servers, topic_name, 100, partitions=PARTITIONS, seed=15, schema_path=SCHEMA)
     producer = subprocess.Popen(
-        [sys.executable, "-m", "streamtrain", "produce", "--bootstrap-servers", kafka.bootstrap_servers,
-         "--topic", topic_name, "--count", "60000", "--rate", "2000", "--seed", "16"],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "streamtrain",
+            "produce",
+            "--bootstrap-servers",
+            kafka.bootstrap_servers,
+            "--topic",
+            topic_name,
+            "--count",
+            "60000",
+            "--rate",
+            "2000",
+            "--seed",
+            "16",
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         ranks = start_ranks(topic_name, 2)
-        ranks[0].wait_for(lambda: sum(trained_by_partition(ranks).values()) > 2000, timeout=120,
-                          what="training under way")
+        ranks[0].wait_for(
+            lambda: sum(trained_by_partition(ranks).values()) > 2000, timeout=120, what="training under way"
+        )
         assert producer.poll() is None
         ranks[1].signal(signal.SIGTERM)
         assert [r.wait(timeout=30) for r in ranks] == [0, 0]
@@ -110,8 +131,7 @@ def test_signal_to_one_rank_mid_stream_stops_all(kafka, topic_name, start_ranks)
 def test_a_dead_or_frozen_rank_makes_the_others_fail_within_the_timeout(kafka, topic_name, start_ranks, failure):
     produce(kafka.bootstrap_servers, topic_name, 2000, partitions=PARTITIONS, seed=17, schema_path=SCHEMA)
     ranks = start_ranks(topic_name, 2, env={"STREAMTRAIN_DISTRIBUTED__TIMEOUT_SECONDS": "10"})
-    ranks[0].wait_for(lambda: sum(trained_by_partition(ranks).values()) >= 2000, timeout=180,
-                      what="training under way")
+    ranks[0].wait_for(lambda: sum(trained_by_partition(ranks).values()) >= 2000, timeout=180, what="training under way")
     failed = time.monotonic()
     ranks[1].signal(failure)  # a killed peer closes its sockets; a frozen one just stops answering
     code = ranks[0].wait(timeout=60)
@@ -124,9 +144,23 @@ def test_a_dead_or_frozen_rank_makes_the_others_fail_within_the_timeout(kafka, t
 def test_plan_dry_run_for_any_world_size(world_size, tmp_path):
     out = tmp_path / "plan.json"
     result = subprocess.run(
-        [sys.executable, "-m", "streamtrain", "plan", "--config", str(REPO / "deploy" / "worker.yaml"),
-         "--world-size", str(world_size), "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "streamtrain",
+            "plan",
+            "--config",
+            str(REPO / "deploy" / "worker.yaml"),
+            "--world-size",
+            str(world_size),
+            "--json",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert f"sharding plan for {world_size} rank(s)" in result.stdout
     assert all(f"rank {r}: " in result.stdout for r in range(world_size))
@@ -156,8 +190,7 @@ def test_nproc_launches_ranks_through_the_elastic_launcher(kafka, topic_name, st
 
 def test_max_events_counts_across_ranks_and_stops_them_together(kafka, topic_name, start_ranks):
     # Every event on partition 0, which rank 0 owns: rank 1 reads nothing, yet both stop.
-    produce(kafka.bootstrap_servers, topic_name, 3000, partitions=PARTITIONS, partition=0, seed=21,
-            schema_path=SCHEMA)
+    produce(kafka.bootstrap_servers, topic_name, 3000, partitions=PARTITIONS, partition=0, seed=21, schema_path=SCHEMA)
     ranks = start_ranks(topic_name, 2, "--max-events", "1000")
     assert [r.wait(timeout=180) for r in ranks] == [0, 0], ranks[0].output()[-3000:] + ranks[1].output()[-3000:]
     assert "rank 0 stopped after" in ranks[0].output() and " 1,000 events trained" in ranks[0].output()

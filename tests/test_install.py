@@ -25,14 +25,26 @@ def venv(tmp_path_factory) -> Path:
     # Nothing is downloaded: torch and the other dependencies, and pip and setuptools for the build
     # (without build isolation), come from this interpreter's site-packages, after the venv's own.
     (site / "dependencies.pth").write_text(
-        "\n".join(sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})) + "\n")
+        "\n".join(sorted({sysconfig.get_path("purelib"), sysconfig.get_path("platlib")})) + "\n"
+    )
     # Built from a copy: an in-tree build would leave build/ and *.egg-info in the checkout.
     source = root / "source"
     shutil.copytree(REPO / "streamtrain", source / "streamtrain", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, source / name)
-    run(venv, "python", "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
-        str(source), timeout=300)
+    run(
+        venv,
+        "python",
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        str(source),
+        timeout=300,
+    )
     return venv
 
 
@@ -46,11 +58,23 @@ def workdir(tmp_path) -> Path:
     return tmp_path
 
 
-def run(venv: Path, command: str, *args: str, cwd: Path | None = None, env: dict[str, str] | None = None,
-        timeout: float = 120) -> subprocess.CompletedProcess:
+def run(
+    venv: Path,
+    command: str,
+    *args: str,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 120,
+) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run([str(venv / "bin" / command), *args], cwd=cwd, env={**environ, **(env or {})},
-                            capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run(
+        [str(venv / "bin" / command), *args],
+        cwd=cwd,
+        env={**environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert result.returncode == 0, f"{command} {' '.join(args)}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     return result
 
@@ -70,7 +94,19 @@ def test_plan_reads_the_bundled_schema(venv, workdir):
 
 def test_the_installed_worker_trains_a_topic(venv, workdir, kafka, topic_name):
     produce(kafka.bootstrap_servers, topic_name, 2_000, partitions=4, seed=61, schema_path=SCHEMA)
-    run(venv, "streamtrain", "worker", "--config", "worker-small.yaml", "--until-end", cwd=workdir, env={
-        "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers, "STREAMTRAIN_KAFKA__TOPIC": topic_name,
-        "STREAMTRAIN_KAFKA__GROUP_ID": f"group-{topic_name}"}, timeout=300)
+    run(
+        venv,
+        "streamtrain",
+        "worker",
+        "--config",
+        "worker-small.yaml",
+        "--until-end",
+        cwd=workdir,
+        env={
+            "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": kafka.bootstrap_servers,
+            "STREAMTRAIN_KAFKA__TOPIC": topic_name,
+            "STREAMTRAIN_KAFKA__GROUP_ID": f"group-{topic_name}",
+        },
+        timeout=300,
+    )
     assert committed_offsets(kafka, topic_name, f"group-{topic_name}") == end_offsets(kafka, topic_name)

@@ -152,8 +152,15 @@ def test_the_end_of_the_stream_ends_the_iteration():
 
 def test_max_events_ends_the_iteration_at_the_first_step_that_reaches_it():
     clock = FakeClock()
-    steps = Lockstep(FakeQueue([click_batch(2)] * 5, clock), lambda: click_batch(0), world_size=1, group=None,
-                     flush_after_seconds=FLUSH_AFTER, clock=clock, max_events=5)
+    steps = Lockstep(
+        FakeQueue([click_batch(2)] * 5, clock),
+        lambda: click_batch(0),
+        world_size=1,
+        group=None,
+        flush_after_seconds=FLUSH_AFTER,
+        clock=clock,
+        max_events=5,
+    )
     assert [b.size for b in steps] == [2, 2, 2]  # a batch is never split: 6, not 5
 
 

@@ -47,17 +47,24 @@ def alert_rules() -> list[dict]:
 
 def test_promtool_accepts_the_shipped_config_and_rules():
     promtool = tool("promtool")
-    for args in (["check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")],
-                 ["check", "rules", str(ALERTS)]):
+    for args in (["check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")], ["check", "rules", str(ALERTS)]):
         result = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_alerts_cover_what_operators_need():
     names = {r["alert"] for r in alert_rules()}
-    assert names == {"StreamtrainLagGrowing", "StreamtrainNotTraining", "StreamtrainCheckpointStale",
-                     "StreamtrainBadEventRate", "StreamtrainAUCBelowFloor", "StreamtrainAUCFalling",
-                     "StreamtrainRankDown", "StreamtrainDeadLetterBlocked", "StreamtrainConsumptionPaused"}
+    assert names == {
+        "StreamtrainLagGrowing",
+        "StreamtrainNotTraining",
+        "StreamtrainCheckpointStale",
+        "StreamtrainBadEventRate",
+        "StreamtrainAUCBelowFloor",
+        "StreamtrainAUCFalling",
+        "StreamtrainRankDown",
+        "StreamtrainDeadLetterBlocked",
+        "StreamtrainConsumptionPaused",
+    }
     readme = (REPO / "README.md").read_text()
     assert all(name in readme for name in names), "the README's Operating section explains every alert"
 
@@ -70,8 +77,12 @@ def test_compose_and_kubernetes_files_hold_together():
     assert "--nproc" in services["worker"]["command"]
     docker = shutil.which("docker")
     if docker and subprocess.run([docker, "compose", "version"], capture_output=True).returncode == 0:
-        result = subprocess.run([docker, "compose", "-f", str(DEPLOY / "docker-compose.yml"), "config", "-q"],
-                                capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            [docker, "compose", "-f", str(DEPLOY / "docker-compose.yml"), "config", "-q"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert result.returncode == 0, result.stderr
     kinds = [doc["kind"] for doc in yaml.safe_load_all((DEPLOY / "k8s" / "streamtrain.yaml").read_text())]
     assert {"StatefulSet", "Service", "ConfigMap", "Secret", "PersistentVolumeClaim", "ServiceMonitor"} <= set(kinds)
@@ -91,16 +102,26 @@ class Prometheus:
     def __init__(self, tmp_path: Path, targets: list[str]):
         self.port = free_port()
         config = tmp_path / "prometheus.yml"
-        config.write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "rule_files": [str(ALERTS)],
-            "scrape_configs": [{"job_name": "streamtrain", "static_configs": [{"targets": targets}]}],
-        }))
-        self.log = open(tmp_path / "prometheus.log", "wb")
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(ALERTS)],
+                    "scrape_configs": [{"job_name": "streamtrain", "static_configs": [{"targets": targets}]}],
+                }
+            )
+        )
+        self.log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 - Prometheus writes it until stopped
         self.process = subprocess.Popen(
-            [tool("prometheus"), f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
-             f"--web.listen-address=127.0.0.1:{self.port}"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                tool("prometheus"),
+                f"--config.file={config}",
+                f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def api(self, path: str, **params: str) -> dict:
         query = urllib.parse.urlencode(params)
@@ -123,13 +144,19 @@ def test_every_dashboard_query_and_alert_works_on_a_live_prometheus(kafka, topic
     for i in range(20):  # undecodable payloads, so the error panels have something to show
         garbage.produce(topic_name, value=b"\xff" * (i + 1), partition=i % 4)
     assert garbage.flush(30) == 0
-    worker = start_worker(topic_name, env={"STREAMTRAIN_CHECKPOINT__PATH": str(tmp_path / "snapshots"),
-                                           "STREAMTRAIN_CHECKPOINT__INTERVAL_SECONDS": "2",
-                                           "STREAMTRAIN_METRICS__LAG_REFRESH_SECONDS": "1"})
+    worker = start_worker(
+        topic_name,
+        env={
+            "STREAMTRAIN_CHECKPOINT__PATH": str(tmp_path / "snapshots"),
+            "STREAMTRAIN_CHECKPOINT__INTERVAL_SECONDS": "2",
+            "STREAMTRAIN_METRICS__LAG_REFRESH_SECONDS": "1",
+        },
+    )
     prometheus = Prometheus(tmp_path, [f"127.0.0.1:{worker.metrics_port}"])
     try:
-        worker.wait_for(lambda: worker.total("streamtrain_events_trained_total") >= 20_000, timeout=180,
-                        what="the stream trained")
+        worker.wait_for(
+            lambda: worker.total("streamtrain_events_trained_total") >= 20_000, timeout=180, what="the stream trained"
+        )
         produce(kafka.bootstrap_servers, topic_name, 5_000, partitions=4, seed=52, rate=1000, schema_path=SCHEMA)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -150,10 +177,13 @@ def test_every_dashboard_query_and_alert_works_on_a_live_prometheus(kafka, topic
         assert all(r["health"] in ("ok", "unknown") for r in rules), [(r["name"], r.get("lastError")) for r in rules]
         auc = prometheus.api("query", query='streamtrain_progressive_auc{window="window"}')["data"]["result"]
         assert float(auc[0]["value"][1]) > 0.6
-        (tmp_path / "checked-queries.json").write_text(json.dumps(
-            {expr: [(r["metric"], r["value"][1]) for r in res] for expr, res in results.items()}, indent=2))
-        print(f"\nchecked {len(results)} dashboard queries and {len(alert_rules())} alert rules; "
-              f"results in {tmp_path / 'checked-queries.json'}")
+        (tmp_path / "checked-queries.json").write_text(
+            json.dumps({expr: [(r["metric"], r["value"][1]) for r in res] for expr, res in results.items()}, indent=2)
+        )
+        print(
+            f"\nchecked {len(results)} dashboard queries and {len(alert_rules())} alert rules; "
+            f"results in {tmp_path / 'checked-queries.json'}"
+        )
     finally:
         prometheus.close()
         worker.signal(signal.SIGTERM)
@@ -163,9 +193,15 @@ def test_every_dashboard_query_and_alert_works_on_a_live_prometheus(kafka, topic
 @pytest.mark.integration
 def test_readyz_waits_for_restore_and_healthz_catches_a_stalled_loop(kafka, topic_name, start_ranks, tmp_path):
     produce(kafka.bootstrap_servers, topic_name, 2_000, partitions=4, seed=53, schema_path=SCHEMA)
-    ranks = start_ranks(topic_name, 2, env={"STREAMTRAIN_METRICS__STALL_SECONDS": "2",
-                                            "STREAMTRAIN_DISTRIBUTED__TIMEOUT_SECONDS": "60",
-                                            "STREAMTRAIN_CHECKPOINT__PATH": str(tmp_path / "snapshots")})
+    ranks = start_ranks(
+        topic_name,
+        2,
+        env={
+            "STREAMTRAIN_METRICS__STALL_SECONDS": "2",
+            "STREAMTRAIN_DISTRIBUTED__TIMEOUT_SECONDS": "60",
+            "STREAMTRAIN_CHECKPOINT__PATH": str(tmp_path / "snapshots"),
+        },
+    )
     base = f"http://127.0.0.1:{ranks[0].metrics_port}"
     seen = []
     deadline = time.monotonic() + 120

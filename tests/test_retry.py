@@ -54,8 +54,14 @@ def test_retries_with_the_backoff_and_reports_each_failure_before_its_wait():
     time_ = FakeTime()
     call = Failing(*[OSError(f"down {i}") for i in range(6)])
     reported: list[tuple[str, int, float]] = []
-    result = retry(call, Backoff(initial=0.5, maximum=4.0, timeout=60), retry_on=OSError, clock=time_.clock,
-                   stopping=time_, on_retry=lambda error, attempt, wait: reported.append((str(error), attempt, wait)))
+    result = retry(
+        call,
+        Backoff(initial=0.5, maximum=4.0, timeout=60),
+        retry_on=OSError,
+        clock=time_.clock,
+        stopping=time_,
+        on_retry=lambda error, attempt, wait: reported.append((str(error), attempt, wait)),
+    )
     assert result == "done" and call.calls == 7
     assert time_.waits == [0.5, 1, 2, 4, 4, 4]
     assert reported == [(f"down {i}", i + 1, wait) for i, wait in enumerate(time_.waits)]
@@ -65,8 +71,9 @@ def test_gives_up_with_the_last_error_rather_than_wait_past_the_deadline():
     time_ = FakeTime()
     call = Failing(*[OSError(f"down {i}") for i in range(100)])
     with pytest.raises(OSError, match="down 4"):
-        retry(call, Backoff(initial=0.5, maximum=10.0, timeout=8.0), retry_on=OSError, clock=time_.clock,
-              stopping=time_)
+        retry(
+            call, Backoff(initial=0.5, maximum=10.0, timeout=8.0), retry_on=OSError, clock=time_.clock, stopping=time_
+        )
     # 0.5 + 1 + 2 + 4 = 7.5 s of waits end in time; an 8 s wait after the fifth failure would not.
     assert time_.waits == [0.5, 1, 2, 4] and call.calls == 5
 
@@ -74,13 +81,23 @@ def test_gives_up_with_the_last_error_rather_than_wait_past_the_deadline():
 def test_an_error_it_is_not_told_to_retry_is_raised_at_once():
     time_ = FakeTime()
     with pytest.raises(KeyError):
-        retry(Failing(KeyError("not an OSError")), Backoff(0.5, 10.0, timeout=60), retry_on=OSError,
-              clock=time_.clock, stopping=time_)
+        retry(
+            Failing(KeyError("not an OSError")),
+            Backoff(0.5, 10.0, timeout=60),
+            retry_on=OSError,
+            clock=time_.clock,
+            stopping=time_,
+        )
     refused = ConnectionRefusedError("refused")
     with pytest.raises(ConnectionRefusedError):
-        retry(Failing(refused), Backoff(0.5, 10.0, timeout=60), retry_on=OSError,
-              retriable=lambda error: not isinstance(error, ConnectionRefusedError), clock=time_.clock,
-              stopping=time_)
+        retry(
+            Failing(refused),
+            Backoff(0.5, 10.0, timeout=60),
+            retry_on=OSError,
+            retriable=lambda error: not isinstance(error, ConnectionRefusedError),
+            clock=time_.clock,
+            stopping=time_,
+        )
     assert time_.waits == []
 
 
@@ -99,8 +116,12 @@ def test_a_stop_ends_a_long_wait_promptly():
     stopper.start()
     try:
         with pytest.raises(OSError):
-            retry(Failing(*[OSError("down")] * 3), Backoff(initial=30.0, maximum=30.0), retry_on=OSError,
-                  stopping=stopping)
+            retry(
+                Failing(*[OSError("down")] * 3),
+                Backoff(initial=30.0, maximum=30.0),
+                retry_on=OSError,
+                stopping=stopping,
+            )
     finally:
         stopper.cancel()
     assert time.monotonic() - started < 5

@@ -25,9 +25,13 @@ def config():
 @pytest.fixture(scope="module")
 def batches(config):
     decoder = AvroBatchDecoder(config.features)
-    events = [RawEvent(0, i, value, 0) for i, (_k, value, _p, _c) in enumerate(
-        encoded_events(ClickStream(3, 0), AvroEncoder(REPO / "schemas" / "click_event.avsc"), 2048))]
-    return [decoder.decode(events[i:i + 256]).batch for i in range(0, len(events), 256)], decoder
+    events = [
+        RawEvent(0, i, value, 0)
+        for i, (_k, value, _p, _c) in enumerate(
+            encoded_events(ClickStream(3, 0), AvroEncoder(REPO / "schemas" / "click_event.avsc"), 2048)
+        )
+    ]
+    return [decoder.decode(events[i : i + 256]).batch for i in range(0, len(events), 256)], decoder
 
 
 def table_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -52,6 +56,7 @@ def test_every_table_is_trained_and_an_empty_batch_is_harmless(config, batches):
     after = table_weights(trainer)
     unchanged = [name for name in before if torch.equal(before[name], after[name])]
     assert unchanged == [], f"tables not updated: {unchanged}"
-    sharding = {name: p.sharding_type for name, p in trainer.plan.plan[
-        "dlrm.sparse_arch.embedding_bag_collection"].items()}
+    sharding = {
+        name: p.sharding_type for name, p in trainer.plan.plan["dlrm.sparse_arch.embedding_bag_collection"].items()
+    }
     assert "table_wise" in sharding.values()

@@ -7,8 +7,10 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -74,8 +76,10 @@ def serialized_events(registry: SchemaRegistryClient, topic: str, count: int):
 def columns(batch) -> dict[str, np.ndarray]:
     kjt = batch.sparse_features
     return {
-        "values": kjt.values().numpy(), "lengths": kjt.lengths().numpy(),
-        "dense": batch.dense_features.numpy(), "labels": batch.labels.numpy(),
+        "values": kjt.values().numpy(),
+        "lengths": kjt.lengths().numpy(),
+        "dense": batch.dense_features.numpy(),
+        "labels": batch.labels.numpy(),
         "event_time_ms": batch.event_time_ms.numpy(),
     }
 
@@ -118,7 +122,10 @@ def test_unknown_ids_and_bad_framing_are_rejected_with_reasons(tmp_path):
     result = decoder.decode(events([unknown, good, bad_magic, good[:3]]))
     assert result.batch.size == 1
     assert [(e.offset, reason) for e, reason in result.rejected] == [
-        (0, "unknown_schema_id"), (2, "bad_magic_byte"), (3, "bad_magic_byte")]
+        (0, "unknown_schema_id"),
+        (2, "bad_magic_byte"),
+        (3, "bad_magic_byte"),
+    ]
 
 
 def test_writer_schemas_from_a_directory(tmp_path):
@@ -144,18 +151,25 @@ def test_a_bad_writer_schema_file_dead_letters_its_events_as_bad_writer_schema(t
     good_id = int.from_bytes(good[1:5], "big")
     (tmp_path / f"{good_id}.avsc").write_text(registry.get_schema(good_id).schema_str)
     (tmp_path / "13.avsc").write_text('{"type": "record", "name": "Cut", "fields": [')  # not JSON
-    (tmp_path / "14.avsc").write_text(json.dumps({"type": "record", "name": "X", "fields": [
-        {"name": "clk", "type": "nosuch"}]}))  # JSON, not Avro
+    (tmp_path / "14.avsc").write_text(
+        json.dumps({"type": "record", "name": "X", "fields": [{"name": "clk", "type": "nosuch"}]})
+    )  # JSON, not Avro
     payloads = [good, b"\x00\x00\x00\x00\x0d" + good[5:], b"\x00\x00\x00\x00\x0e" + good[5:]] * 2
     features = small_features(wire_format="confluent", writer_schemas_dir=str(tmp_path))
-    for decoder in (AvroBatchDecoder(features, SchemaDirectory(tmp_path)),
-                    FastavroDecoder(features, SchemaDirectory(tmp_path))):
+    for decoder in (
+        AvroBatchDecoder(features, SchemaDirectory(tmp_path)),
+        FastavroDecoder(features, SchemaDirectory(tmp_path)),
+    ):
         caplog.clear()
         with caplog.at_level(logging.ERROR):
             rejected = bad_writer_schema_reasons(decoder, payloads)
             assert bad_writer_schema_reasons(decoder, payloads) == rejected  # and again, from the cache
         assert [(o, r.split(":")[0]) for o, r in rejected] == [
-            (1, "bad_writer_schema"), (2, "bad_writer_schema"), (4, "bad_writer_schema"), (5, "bad_writer_schema")]
+            (1, "bad_writer_schema"),
+            (2, "bad_writer_schema"),
+            (4, "bad_writer_schema"),
+            (5, "bad_writer_schema"),
+        ]
         assert rejected[0][1].startswith(f"bad_writer_schema: writer schema 13: {tmp_path / '13.avsc'} is not JSON")
         assert rejected[1][1].startswith("bad_writer_schema: writer schema 14: not a valid Avro schema: UnknownType")
         errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
@@ -165,8 +179,9 @@ def test_a_bad_writer_schema_file_dead_letters_its_events_as_bad_writer_schema(t
 def test_a_registry_answer_that_is_not_a_schema_is_a_bad_writer_schema(http_registry, caplog):
     _Registry.schemas.update({8: "{not json", 9: json.dumps({"type": "nosuch"})})
     features = small_features(wire_format="confluent", schema_registry={"url": http_registry})
-    source = SchemaRegistry(SchemaRegistryConfig(url=http_registry, timeout_seconds=20,
-                                                 client_config={"max.retries": 0}))
+    source = SchemaRegistry(
+        SchemaRegistryConfig(url=http_registry, timeout_seconds=20, client_config={"max.retries": 0})
+    )
     body = serialized_events(SchemaRegistryClient.new_client({"url": "mock://bad-answer"}), "clicks", 2)[1][0][5:]
     payloads = [b"\x00\x00\x00\x00\x07" + body, b"\x00\x00\x00\x00\x08" + body, b"\x00\x00\x00\x00\x09" + body]
     decoder = AvroBatchDecoder(features, source)
@@ -179,25 +194,27 @@ def test_a_registry_answer_that_is_not_a_schema_is_a_bad_writer_schema(http_regi
 
 
 def test_wire_format_config_names_the_missing_source():
-    with pytest.raises(ConfigError, match="schema_registry.url or features.writer_schemas_dir"):
+    with pytest.raises(ConfigError, match=re.escape("schema_registry.url or features.writer_schemas_dir")):
         small_features(wire_format="confluent")
     with pytest.raises(ConfigError, match="only read with wire_format: confluent"):
         small_features(writer_schemas_dir="/tmp")
     with pytest.raises(ConfigError, match="client_config_files"):
-        small_features(wire_format="confluent", schema_registry={
-            "url": "https://registry:8081", "client_config": {"basic.auth.user.info": "me:secret"}})
-    with pytest.raises(ConfigError, match="basic.auth.user.info"):
+        small_features(
+            wire_format="confluent",
+            schema_registry={"url": "https://registry:8081", "client_config": {"basic.auth.user.info": "me:secret"}},
+        )
+    with pytest.raises(ConfigError, match=re.escape("basic.auth.user.info")):
         small_features(wire_format="confluent", schema_registry={"url": "https://me:secret@registry:8081"})
 
 
 class _Registry(BaseHTTPRequestHandler):
     """The registry's REST surface for GET /schemas/ids/<id>: fails ``failures`` times, then answers."""
 
-    schemas: dict[int, str] = {}
+    schemas: ClassVar[dict[int, str]] = {}
     failures = 0
     requests = 0
 
-    def do_GET(self):  # noqa: N802 (the http.server API)
+    def do_GET(self):
         type(self).requests += 1
         schema_id = int(self.path.split("?")[0].rstrip("/").rsplit("/", 1)[-1])
         if type(self).failures > 0:
@@ -232,8 +249,9 @@ def http_registry():
 
 
 def test_registry_over_http_retries_outages_and_knows_unknown_ids(http_registry):
-    source = SchemaRegistry(SchemaRegistryConfig(url=http_registry, timeout_seconds=20,
-                                                 client_config={"max.retries": 0}))
+    source = SchemaRegistry(
+        SchemaRegistryConfig(url=http_registry, timeout_seconds=20, client_config={"max.retries": 0})
+    )
     _Registry.failures = 2
     assert source.writer_schema(7)["fields"][0]["name"] == "clk"
     assert _Registry.requests == 3, "two 503s, then the schema"
@@ -241,8 +259,9 @@ def test_registry_over_http_retries_outages_and_knows_unknown_ids(http_registry)
 
 
 def test_an_unreachable_registry_stops_instead_of_guessing(http_registry):
-    source = SchemaRegistry(SchemaRegistryConfig(url=http_registry, timeout_seconds=1.5,
-                                                 client_config={"max.retries": 0}))
+    source = SchemaRegistry(
+        SchemaRegistryConfig(url=http_registry, timeout_seconds=1.5, client_config={"max.retries": 0})
+    )
     _Registry.failures = 1000
     with pytest.raises(SchemaSourceUnavailable, match="did not answer for schema id 7"):
         source.writer_schema(7)
@@ -260,9 +279,13 @@ def test_worker_trains_framed_events_from_two_writer_versions(kafka, topic_name,
         producer.produce(topic_name, payload, partition=i % 2)
     assert producer.flush(30) == 0
 
-    worker = start_worker(topic_name, "--until-end", env={
-        "STREAMTRAIN_FEATURES__WIRE_FORMAT": "confluent",
-        "STREAMTRAIN_FEATURES__WRITER_SCHEMAS_DIR": str(tmp_path),
-    })
+    worker = start_worker(
+        topic_name,
+        "--until-end",
+        env={
+            "STREAMTRAIN_FEATURES__WIRE_FORMAT": "confluent",
+            "STREAMTRAIN_FEATURES__WRITER_SCHEMAS_DIR": str(tmp_path),
+        },
+    )
     assert worker.process.wait(timeout=90) == 0, worker.output()[-3000:]
     assert "2,000 events trained" in worker.output()

@@ -21,8 +21,7 @@ PARTITIONS = 4
 
 
 def test_worker_trains_every_event_and_learns_the_planted_signal(kafka, topic_name, start_worker):
-    report = produce(kafka.bootstrap_servers, topic_name, EVENTS, partitions=PARTITIONS, seed=7,
-                     schema_path=SCHEMA)
+    report = produce(kafka.bootstrap_servers, topic_name, EVENTS, partitions=PARTITIONS, seed=7, schema_path=SCHEMA)
     assert report.produced == EVENTS and report.bayes_auc >= 0.75
     per_partition = end_offsets(kafka, topic_name)
     assert sum(per_partition.values()) == EVENTS and all(per_partition.values())
@@ -62,9 +61,26 @@ def test_until_end_trains_the_backlog_and_exits_zero(kafka, topic_name, start_wo
 
 def test_sigterm_mid_stream_exits_zero_promptly(kafka, topic_name, start_worker):
     producer = subprocess.Popen(
-        [sys.executable, "-m", "streamtrain", "produce", "--bootstrap-servers", kafka.bootstrap_servers,
-         "--topic", topic_name, "--count", "60000", "--rate", "3000", "--partitions", str(PARTITIONS)],
-        cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        [
+            sys.executable,
+            "-m",
+            "streamtrain",
+            "produce",
+            "--bootstrap-servers",
+            kafka.bootstrap_servers,
+            "--topic",
+            topic_name,
+            "--count",
+            "60000",
+            "--rate",
+            "3000",
+            "--partitions",
+            str(PARTITIONS),
+        ],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         worker_started = time.monotonic()
         deadline = worker_started + 60
@@ -76,8 +92,11 @@ def test_sigterm_mid_stream_exits_zero_promptly(kafka, topic_name, start_worker)
                 pass
             time.sleep(0.2)
         worker = start_worker(topic_name)
-        worker.wait_for(lambda: worker.total("streamtrain_events_trained_total") > 1000, timeout=120,
-                        what="training to be under way")
+        worker.wait_for(
+            lambda: worker.total("streamtrain_events_trained_total") > 1000,
+            timeout=120,
+            what="training to be under way",
+        )
         assert producer.poll() is None, "the stream must still be flowing when the signal arrives"
         signalled = time.monotonic()
         worker.signal(signal.SIGTERM)
@@ -94,8 +113,13 @@ def test_sigterm_mid_stream_exits_zero_promptly(kafka, topic_name, start_worker)
 def test_bad_config_is_rejected_naming_the_field(tmp_path, kafka):
     config = tmp_path / "worker.yaml"
     config.write_text((REPO / "tests" / "worker-small.yaml").read_text().replace("batch_size: 256", "batch_size: -5"))
-    result = subprocess.run([sys.executable, "-m", "streamtrain", "worker", "--config", str(config)],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "streamtrain", "worker", "--config", str(config)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "batching.batch_size" in result.stderr
     assert "greater than 0" in result.stderr
@@ -109,14 +133,16 @@ def test_shutdown_grace_bounds_the_whole_shutdown_with_the_final_snapshot(kafka,
     produce(kafka.bootstrap_servers, topic_name, 2_000, partitions=PARTITIONS, seed=5, schema_path=SCHEMA)
     snapshots = tmp_path / "snapshots"
     env = {"STREAMTRAIN_CHECKPOINT__PATH": str(snapshots)}
-    hurried = start_worker(topic_name, "--until-end",
-                           env={**env, "STREAMTRAIN_DISTRIBUTED__SHUTDOWN_GRACE_SECONDS": "0.01"})
+    hurried = start_worker(
+        topic_name, "--until-end", env={**env, "STREAMTRAIN_DISTRIBUTED__SHUTDOWN_GRACE_SECONDS": "0.01"}
+    )
     assert hurried.wait(timeout=180) == 3, hurried.output()[-3000:]
     assert "shutdown did not finish within 0.01s" in hurried.output()
     assert complete_snapshots(snapshots) == []
 
-    patient = start_worker(topic_name, "--until-end",
-                           env={**env, "STREAMTRAIN_DISTRIBUTED__SHUTDOWN_GRACE_SECONDS": "60"})
+    patient = start_worker(
+        topic_name, "--until-end", env={**env, "STREAMTRAIN_DISTRIBUTED__SHUTDOWN_GRACE_SECONDS": "60"}
+    )
     assert patient.wait(timeout=180) == 0, patient.output()[-3000:]
     assert "2,000 events trained" in patient.output()  # the hurried run's training was never durable
     assert len(complete_snapshots(snapshots)) == 1

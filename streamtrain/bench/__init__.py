@@ -31,20 +31,28 @@ from types import ModuleType
 
 # name -> (module, one line for --help). `bench all` runs them in this order.
 BENCHMARKS: dict[str, tuple[str, str]] = {
-    "train-step": ("streamtrain.bench.train_step",
-                   "one nn.EmbeddingBag per feature against the fused TBE path, at several sizes"),
-    "pipeline": ("streamtrain.bench.pipeline",
-                 "TrainPipelineSparseDist against TrainPipelineBase at 2 ranks, same in-memory batches"),
-    "checkpoint": ("streamtrain.bench.checkpoint",
-                   "training with an async snapshot every N seconds against none"),
-    "memory": ("streamtrain.bench.memory",
-               "the worker's RSS while a backlog far larger than it trains waits in Kafka"),
-    "e2e": ("streamtrain.bench.e2e",
-            "Kafka -> worker at 2 ranks against a naive consume-decode-train loop, and the in-memory limit"),
-    "decode": ("streamtrain.bench.decode",
-               "the compiled Avro batch decoder against fastavro plus a Python loop, same payloads, one core"),
-    "freshness": ("streamtrain.bench.freshness",
-                  "p50/p99 of (update applied - event time) at 50% and 90% of measured max throughput"),
+    "train-step": (
+        "streamtrain.bench.train_step",
+        "one nn.EmbeddingBag per feature against the fused TBE path, at several sizes",
+    ),
+    "pipeline": (
+        "streamtrain.bench.pipeline",
+        "TrainPipelineSparseDist against TrainPipelineBase at 2 ranks, same in-memory batches",
+    ),
+    "checkpoint": ("streamtrain.bench.checkpoint", "training with an async snapshot every N seconds against none"),
+    "memory": ("streamtrain.bench.memory", "the worker's RSS while a backlog far larger than it trains waits in Kafka"),
+    "e2e": (
+        "streamtrain.bench.e2e",
+        "Kafka -> worker at 2 ranks against a naive consume-decode-train loop, and the in-memory limit",
+    ),
+    "decode": (
+        "streamtrain.bench.decode",
+        "the compiled Avro batch decoder against fastavro plus a Python loop, same payloads, one core",
+    ),
+    "freshness": (
+        "streamtrain.bench.freshness",
+        "p50/p99 of (update applied - event time) at 50% and 90% of measured max throughput",
+    ),
 }
 
 
@@ -54,8 +62,10 @@ def module(name: str) -> ModuleType:
 
 def describe() -> str:
     lines = [f"{name}: {text}" for name, (_m, text) in BENCHMARKS.items()]
-    lines += ["all: every benchmark above in turn (with --quick: each in its quick size), then report",
-              "report: render the newest result of each benchmark as markdown and PNG plots"]
+    lines += [
+        "all: every benchmark above in turn (with --quick: each in its quick size), then report",
+        "report: render the newest result of each benchmark as markdown and PNG plots",
+    ]
     return "\n".join(lines)
 
 
@@ -68,12 +78,20 @@ def parser_for(name: str) -> argparse.ArgumentParser:
 
     if name in BENCHMARKS:
         bench = module(name)
-        parser = argparse.ArgumentParser(prog=f"streamtrain bench {name}", description=bench.__doc__,
-                                         formatter_class=argparse.RawDescriptionHelpFormatter)
-        parser.add_argument("--config", type=Path, default=CHECKOUT / "deploy" / "worker.yaml",
-                            help="the worker config whose model is trained (default deploy/worker.yaml)")
-        parser.add_argument("--quick", action="store_true",
-                            help="a small size, under a minute: proves it runs, judges nothing")
+        parser = argparse.ArgumentParser(
+            prog=f"streamtrain bench {name}",
+            description=bench.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        parser.add_argument(
+            "--config",
+            type=Path,
+            default=CHECKOUT / "deploy" / "worker.yaml",
+            help="the worker config whose model is trained (default deploy/worker.yaml)",
+        )
+        parser.add_argument(
+            "--quick", action="store_true", help="a small size, under a minute: proves it runs, judges nothing"
+        )
         bench.add_arguments(parser)
         return parser
     parser = argparse.ArgumentParser(prog=f"streamtrain bench {name}")
@@ -94,8 +112,11 @@ def run_one(name: str, argv: list[str]) -> Path:
 
     args = parser_for(name).parse_args(argv)
     bench = module(name)
-    result = {**bench.run(args, _progress), "quick": args.quick,
-              "command": " ".join(["streamtrain", "bench", name, *argv])}
+    result = {
+        **bench.run(args, _progress),
+        "quick": args.quick,
+        "command": " ".join(["streamtrain", "bench", name, *argv]),
+    }
     print(f"{name} benchmark on {describe_machine(result['machine'])}\n{bench.table(result)}", flush=True)
     path = save(result)
     print(f"results: {path}", flush=True)

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 from streamtrain.bench.common import Leg, machine, rate_text, synthetic_batches, train_for
 
@@ -28,8 +29,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     return bench_checkpoint(load_config(args.config), seconds, rounds, args.interval_seconds, progress)
 
 
-def bench_checkpoint(config: "WorkerConfig", seconds: float, rounds: int, interval_seconds: float,
-                     progress: Callable[[str], None]) -> dict:
+def bench_checkpoint(
+    config: WorkerConfig, seconds: float, rounds: int, interval_seconds: float, progress: Callable[[str], None]
+) -> dict:
     """Training throughput with an async snapshot every ``interval_seconds`` against none,
     in alternating legs on one trainer and the same batches."""
     from streamtrain.checkpoint import Checkpointer, StreamState
@@ -54,10 +56,10 @@ def bench_checkpoint(config: "WorkerConfig", seconds: float, rounds: int, interv
             def snapshot_when_due(step: int) -> None:
                 nonlocal last
                 if checkpointer.save_done():
-                    contender.snapshots.append(time.perf_counter() - checkpointer.in_flight[3])
+                    contender.snapshots.append(time.perf_counter() - last)
                     checkpointer.finish_save()
                 if not checkpointer.save_in_flight and time.perf_counter() - last >= interval_seconds:
-                    last = time.perf_counter()
+                    last = time.perf_counter()  # when this snapshot started
                     checkpointer.start_save(StreamState(step=step))
 
             leg = train_for(trainer, batches, seconds, snapshot_when_due)
@@ -97,7 +99,11 @@ def table(result: dict) -> str:
 
 
 def markdown(result: dict) -> str:
-    return "\n".join([
-        "| snapshot interval | without | with async snapshots | ratio |", "|---|---|---|---|",
-        f"| {result['interval_seconds']:g} s | {rate_text(result['baseline_events_per_second'])} | "
-        f"{rate_text(result['async_snapshot_events_per_second'])} | **{result['ratio']:.2f}** |"])
+    return "\n".join(
+        [
+            "| snapshot interval | without | with async snapshots | ratio |",
+            "|---|---|---|---|",
+            f"| {result['interval_seconds']:g} s | {rate_text(result['baseline_events_per_second'])} | "
+            f"{rate_text(result['async_snapshot_events_per_second'])} | **{result['ratio']:.2f}** |",
+        ]
+    )

@@ -8,9 +8,10 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,14 +33,21 @@ def machine() -> dict:
 
     from streamtrain.checkpoint import _version
 
-    return {"cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "torch": torch.__version__, "torchrec": _version("torchrec"), "fbgemm_gpu": _version("fbgemm_gpu"),
-            "device": "cuda" if torch.cuda.is_available() else "cpu"}
+    return {
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torchrec": _version("torchrec"),
+        "fbgemm_gpu": _version("fbgemm_gpu"),
+        "device": "cuda" if torch.cuda.is_available() else "cpu",
+    }
 
 
 def describe_machine(m: dict) -> str:
-    return (f"{m['cores']} cores, {m['device']}, torch {m['torch']}, torchrec {m['torchrec']}, "
-            f"fbgemm_gpu {m['fbgemm_gpu']}")
+    return (
+        f"{m['cores']} cores, {m['device']}, torch {m['torch']}, torchrec {m['torchrec']}, fbgemm_gpu {m['fbgemm_gpu']}"
+    )
 
 
 def rate_text(events_per_second: float) -> str:
@@ -61,7 +69,7 @@ def latest(benchmark: str, results: Path = RESULTS) -> dict | None:
     return (full or found or [None])[-1]
 
 
-def synthetic_batches(config: "WorkerConfig", count: int, seed: int = 0) -> list["ClickBatch"]:
+def synthetic_batches(config: WorkerConfig, count: int, seed: int = 0) -> list[ClickBatch]:
     """``count`` decoded batches of ``batching.batch_size`` events from the synthetic stream."""
     from streamtrain.decode import AvroBatchDecoder
     from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
@@ -69,9 +77,13 @@ def synthetic_batches(config: "WorkerConfig", count: int, seed: int = 0) -> list
 
     decoder = AvroBatchDecoder(config.features)
     size = config.batching.batch_size
-    events = [RawEvent(0, i, value, 0) for i, (_key, value, _p, _clk) in enumerate(
-        encoded_events(ClickStream(seed, 0), AvroEncoder(config.features.resolved_schema_path()), count * size))]
-    return [decoder.decode(events[i:i + size]).batch for i in range(0, len(events), size)]
+    events = [
+        RawEvent(0, i, value, 0)
+        for i, (_key, value, _p, _clk) in enumerate(
+            encoded_events(ClickStream(seed, 0), AvroEncoder(config.features.resolved_schema_path()), count * size)
+        )
+    ]
+    return [decoder.decode(events[i : i + size]).batch for i in range(0, len(events), size)]
 
 
 @dataclass
@@ -85,13 +97,18 @@ class Leg:
         return self.events / self.seconds if self.seconds else 0.0
 
 
-def train_for(trainer: "Trainer", batches: list["ClickBatch"], seconds: float | None = None,
-              after_step: Callable[[int], None] = lambda step: None, steps: int | None = None) -> Leg:
+def train_for(
+    trainer: Trainer,
+    batches: list[ClickBatch],
+    seconds: float | None = None,
+    after_step: Callable[[int], None] = lambda step: None,
+    steps: int | None = None,
+) -> Leg:
     """Train ``batches`` round and round for ``seconds`` (one rank) or exactly ``steps`` batches
     (several ranks must agree on when to stop, so they count steps)."""
     deadline = time.perf_counter() + seconds if seconds is not None else None
 
-    def feed() -> Iterator["ClickBatch"]:
+    def feed() -> Iterator[ClickBatch]:
         for index, batch in enumerate(itertools.cycle(batches)):
             if (deadline is not None and time.perf_counter() >= deadline) or (steps is not None and index >= steps):
                 return
@@ -173,8 +190,13 @@ def throughput(step_wall: np.ndarray, step_events: np.ndarray, warm_up_seconds: 
     trained = step_events > 0
     wall, events = step_wall[trained], step_events[trained]
     if wall.size < 2:
-        return {"events": int(events.sum()), "seconds": 0.0, "events_per_second": 0.0,
-                "warm_up_seconds": warm_up_seconds, "total_events": int(events.sum())}
+        return {
+            "events": int(events.sum()),
+            "seconds": 0.0,
+            "events_per_second": 0.0,
+            "warm_up_seconds": warm_up_seconds,
+            "total_events": int(events.sum()),
+        }
     first = wall[0]
     inside = wall <= first + warm_up_seconds
     start = wall[inside][-1] if inside.any() else first
@@ -183,9 +205,15 @@ def throughput(step_wall: np.ndarray, step_events: np.ndarray, warm_up_seconds: 
     after = wall > start
     seconds = float(wall[-1] - start)
     counted = int(events[after].sum())
-    return {"events": counted, "seconds": seconds, "events_per_second": counted / seconds if seconds > 0 else 0.0,
-            "warm_up_seconds": float(start - first), "warm_up_events": int(events[~after].sum()),
-            "total_events": int(events.sum()), "first_to_last_seconds": float(wall[-1] - first)}
+    return {
+        "events": counted,
+        "seconds": seconds,
+        "events_per_second": counted / seconds if seconds > 0 else 0.0,
+        "warm_up_seconds": float(start - first),
+        "warm_up_events": int(events[~after].sum()),
+        "total_events": int(events.sum()),
+        "first_to_last_seconds": float(wall[-1] - first),
+    }
 
 
 def quantiles(values: np.ndarray, qs: tuple[float, ...] = (0.5, 0.9, 0.99, 0.999)) -> dict[str, float]:
@@ -199,7 +227,7 @@ def cdf_points(values: np.ndarray, points: int = 200) -> list[list[float]]:
     if values.size == 0:
         return []
     qs = np.linspace(0.0, 1.0, points)
-    return [[float(v), float(q)] for v, q in zip(np.quantile(values, qs), qs)]
+    return [[float(v), float(q)] for v, q in zip(np.quantile(values, qs), qs, strict=True)]
 
 
 def free_port_pair() -> int:
@@ -221,6 +249,12 @@ def free_port_pair() -> int:
 
 def local_rank_env(rank: int, world_size: int, master_port: int) -> dict[str, str]:
     """The environment torchrun gives a local rank."""
-    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port), "RANK": str(rank),
-            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-            "OMP_NUM_THREADS": "1"}
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(master_port),
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "OMP_NUM_THREADS": "1",
+    }

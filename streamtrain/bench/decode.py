@@ -10,15 +10,19 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from streamtrain.bench.common import machine
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--events", type=int, default=200_000, help="payloads decoded per round (default 200,000)")
-    parser.add_argument("--batch-size", type=int, default=None,
-                        help="events per decode call (default: the config's batching.batch_size)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="events per decode call (default: the config's batching.batch_size)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="baseline/compiled pairs (default 5)")
 
 
@@ -40,9 +44,18 @@ def cold_compile_seconds(config_path) -> float:
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="streamtrain-numba-") as cache:
-        out = subprocess.run([sys.executable, "-c", f"from streamtrain.bench.decode import first_decode_seconds; "
-                                                    f"print(first_decode_seconds({str(config_path)!r}))"],
-                             env={**os.environ, "NUMBA_CACHE_DIR": cache}, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"from streamtrain.bench.decode import first_decode_seconds; "
+                f"print(first_decode_seconds({str(config_path)!r}))",
+            ],
+            env={**os.environ, "NUMBA_CACHE_DIR": cache},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
     return float(out.stdout.split()[-1])
 
 
@@ -54,8 +67,10 @@ def first_decode_seconds(config_path: str) -> float:
 
     features = load_config(config_path).features
     encoder = AvroEncoder(features.resolved_schema_path())
-    events = [RawEvent(0, i, value, 0)
-              for i, (_key, value, _p, _clk) in enumerate(encoded_events(ClickStream(0, 0), encoder, 8))]
+    events = [
+        RawEvent(0, i, value, 0)
+        for i, (_key, value, _p, _clk) in enumerate(encoded_events(ClickStream(0, 0), encoder, 8))
+    ]
     decoder = AvroBatchDecoder(features)
     started = time.perf_counter()
     decoder.decode(events)
@@ -75,9 +90,11 @@ def bench_decode(config, events: int, batch_size: int, rounds: int, progress: Ca
     features = config.features
     progress(f"encoding {events:,} synthetic events")
     encoder = AvroEncoder(features.resolved_schema_path())
-    payloads = [RawEvent(i % 4, i, value, 0)
-                for i, (_key, value, _p, _clk) in enumerate(encoded_events(ClickStream(0, 0), encoder, events))]
-    batches = [payloads[i:i + batch_size] for i in range(0, len(payloads), batch_size)]
+    payloads = [
+        RawEvent(i % 4, i, value, 0)
+        for i, (_key, value, _p, _clk) in enumerate(encoded_events(ClickStream(0, 0), encoder, events))
+    ]
+    batches = [payloads[i : i + batch_size] for i in range(0, len(payloads), batch_size)]
 
     started = time.perf_counter()
     compiled = AvroBatchDecoder(features)
@@ -85,11 +102,12 @@ def bench_decode(config, events: int, batch_size: int, rounds: int, progress: Ca
     started = time.perf_counter()
     first = compiled.decode(batches[0])
     first_call_seconds = time.perf_counter() - started
-    baseline = FastavroDecoder(features)
+    baseline = FastavroDecoder(features, wire_checks=False)
     expected = baseline.decode(batches[0])
     assert not first.rejected and not expected.rejected
-    assert torch.equal(first.batch.sparse_features.values(), expected.batch.sparse_features.values()), \
+    assert torch.equal(first.batch.sparse_features.values(), expected.batch.sparse_features.values()), (
         "the two decoders disagree"
+    )
     started = time.perf_counter()
     avro_program.compile_program(compiled.reader, compiled.reader, compiled.plan)
     program_seconds = time.perf_counter() - started
@@ -116,7 +134,7 @@ def bench_decode(config, events: int, batch_size: int, rounds: int, progress: Ca
         "batch_size": batch_size,
         "rounds": rounds,
         "features": len(features.tables) + len(features.dense),
-        "payload_bytes_mean": float(np.mean([len(e.value) for e in payloads])),
+        "payload_bytes_mean": float(np.mean([len(e.value or b"") for e in payloads])),
         "baseline_events_per_second": rate["baseline"],
         "compiled_events_per_second": rate["compiled"],
         "ratio": rate["compiled"] / rate["baseline"],
@@ -130,30 +148,37 @@ def bench_decode(config, events: int, batch_size: int, rounds: int, progress: Ca
 
 
 def table(result: dict) -> str:
-    return "\n".join([
-        f"  {result['events']:,} events x {result['rounds']} rounds, batches of {result['batch_size']}, "
-        f"{result['features']} features, {result['payload_bytes_mean']:.0f} bytes per payload, one core",
-        f"  {'':<35}{'events/s per core':>18}{'(wall clock)':>14}",
-        f"  {'fastavro + Python loop (baseline)':<35}{result['baseline_events_per_second']:>18,.0f}"
-        f"{result['baseline_wall_events_per_second']:>14,.0f}",
-        f"  {'compiled program (numba)':<35}{result['compiled_events_per_second']:>18,.0f}"
-        f"{result['compiled_wall_events_per_second']:>14,.0f}",
-        f"  {'ratio':<35}{result['ratio']:>18.2f}   (goal >= 5)",
-        f"  JIT compile (empty numba cache, once per machine) {result.get('cold_compile_seconds', float('nan')):.1f}s; "
-        f"first call here {result['first_call_seconds']:.2f}s (on-disk cache load); both excluded",
-        f"  a program for a new writer schema: {1e6 * result['program_build_seconds']:,.0f} us "
-        f"({result['program_instructions']} instructions)",
-    ])
+    return "\n".join(
+        [
+            f"  {result['events']:,} events x {result['rounds']} rounds, batches of {result['batch_size']}, "
+            f"{result['features']} features, {result['payload_bytes_mean']:.0f} bytes per payload, one core",
+            f"  {'':<35}{'events/s per core':>18}{'(wall clock)':>14}",
+            f"  {'fastavro + Python loop (baseline)':<35}{result['baseline_events_per_second']:>18,.0f}"
+            f"{result['baseline_wall_events_per_second']:>14,.0f}",
+            f"  {'compiled program (numba)':<35}{result['compiled_events_per_second']:>18,.0f}"
+            f"{result['compiled_wall_events_per_second']:>14,.0f}",
+            f"  {'ratio':<35}{result['ratio']:>18.2f}   (goal >= 5)",
+            "  JIT compile (empty numba cache, once per machine) "
+            f"{result.get('cold_compile_seconds', float('nan')):.1f}s; "
+            f"first call here {result['first_call_seconds']:.2f}s (on-disk cache load); both excluded",
+            f"  a program for a new writer schema: {1e6 * result['program_build_seconds']:,.0f} us "
+            f"({result['program_instructions']} instructions)",
+        ]
+    )
 
 
 def markdown(result: dict) -> str:
-    return "\n".join([
-        f"{result['events']:,} events x {result['rounds']} rounds, batches of {result['batch_size']}, one core.\n",
-        "| decoder | events/s | ratio |", "|---|---|---|",
-        f"| fastavro schemaless_reader + Python loop | {result['baseline_events_per_second']:,.0f} per core | 1.00 |",
-        f"| compiled program (numba) | {result['compiled_events_per_second']:,.0f} per core | "
-        f"**{result['ratio']:.2f}** (goal ≥ 5) |",
-        f"\nJIT compile with an empty numba cache {result.get('cold_compile_seconds', float('nan')):.1f} s, first "
-        f"call with the cache {result['first_call_seconds']:.2f} s (both excluded); a new writer schema's program "
-        f"{1e6 * result['program_build_seconds']:,.0f} µs.",
-    ])
+    return "\n".join(
+        [
+            f"{result['events']:,} events x {result['rounds']} rounds, batches of {result['batch_size']}, one core.\n",
+            "| decoder | events/s | ratio |",
+            "|---|---|---|",
+            "| fastavro schemaless_reader + Python loop | "
+            f"{result['baseline_events_per_second']:,.0f} per core | 1.00 |",
+            f"| compiled program (numba) | {result['compiled_events_per_second']:,.0f} per core | "
+            f"**{result['ratio']:.2f}** (goal ≥ 5) |",
+            f"\nJIT compile with an empty numba cache {result.get('cold_compile_seconds', float('nan')):.1f} s, first "
+            f"call with the cache {result['first_call_seconds']:.2f} s (both excluded); a new writer schema's program "
+            f"{1e6 * result['program_build_seconds']:,.0f} µs.",
+        ]
+    )

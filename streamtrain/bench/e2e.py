@@ -25,8 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from streamtrain.bench.common import RESULTS, SCHEMA, local_rank_env, machine, rate_text, throughput
 from streamtrain.bench.record import RunRecord
@@ -36,18 +36,32 @@ WORLD_SIZE = 2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--events", type=int, default=1_000_000,
-                        help="events written and trained (default 1,000,000)")
+    parser.add_argument("--events", type=int, default=1_000_000, help="events written and trained (default 1,000,000)")
     parser.add_argument("--partitions", type=int, default=4, help="partitions of the topic (default 4)")
-    parser.add_argument("--warm-up", type=float, default=5.0,
-                        help="seconds after the first trained event that are not counted (default 5)")
-    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
-                        help="run the naive consume-decode-train loop (default on)")
-    parser.add_argument("--limit", action=argparse.BooleanOptionalAction, default=True,
-                        help="run the in-memory limit: the same model from pre-built batches (default on)")
-    parser.add_argument("--profile", action="store_true",
-                        help="sample the worker and naive ranks with py-spy (collapsed stacks under results/) "
-                             "and report where their CPU time goes")
+    parser.add_argument(
+        "--warm-up",
+        type=float,
+        default=5.0,
+        help="seconds after the first trained event that are not counted (default 5)",
+    )
+    parser.add_argument(
+        "--baseline",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the naive consume-decode-train loop (default on)",
+    )
+    parser.add_argument(
+        "--limit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the in-memory limit: the same model from pre-built batches (default on)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="sample the worker and naive ranks with py-spy (collapsed stacks under results/) "
+        "and report where their CPU time goes",
+    )
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
@@ -72,20 +86,35 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         legs["limit"] = limit_leg(args.config, events, warm_up)
         progress(f"  {legs['limit']['events_per_second']:,.0f} events/s")
     rate = {name: leg["events_per_second"] for name, leg in legs.items()}
-    return {"benchmark": "e2e", "machine": machine(), "config": str(args.config), "events": events,
-            "partitions": args.partitions, "ranks": WORLD_SIZE, "warm_up_seconds": warm_up, "legs": legs,
-            "worker_over_naive": rate["worker"] / rate["naive"] if rate.get("naive") else None,
-            "worker_over_limit": rate["worker"] / rate["limit"] if rate.get("limit") else None}
+    return {
+        "benchmark": "e2e",
+        "machine": machine(),
+        "config": str(args.config),
+        "events": events,
+        "partitions": args.partitions,
+        "ranks": WORLD_SIZE,
+        "warm_up_seconds": warm_up,
+        "legs": legs,
+        "worker_over_naive": rate["worker"] / rate["naive"] if rate.get("naive") else None,
+        "worker_over_limit": rate["worker"] / rate["limit"] if rate.get("limit") else None,
+    }
 
 
 def worker_environment(bootstrap: str, topic: str, record: Path, metrics_port: int = 0) -> dict[str, str]:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
-            "STREAMTRAIN_KAFKA__TOPIC": topic, "STREAMTRAIN_KAFKA__GROUP_ID": f"bench-{topic}",
-            "STREAMTRAIN_METRICS__PORT": str(metrics_port), "STREAMTRAIN_RUN_RECORD": str(record)}
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
+        "STREAMTRAIN_KAFKA__TOPIC": topic,
+        "STREAMTRAIN_KAFKA__GROUP_ID": f"bench-{topic}",
+        "STREAMTRAIN_METRICS__PORT": str(metrics_port),
+        "STREAMTRAIN_RUN_RECORD": str(record),
+    }
 
 
-def worker_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout: float = 900.0,
-               profile: bool = False) -> dict:
+def worker_leg(
+    config: Path, bootstrap: str, topic: str, warm_up: float, timeout: float = 900.0, profile: bool = False
+) -> dict:
     """``streamtrain worker --nproc 2 --until-end`` on the topic; its run record gives the rate."""
     from streamtrain.bench.common import free_port_pair, wait_until_training
 
@@ -94,9 +123,22 @@ def worker_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout
         started = time.time()
         with open(log_path, "wb") as log:
             worker = subprocess.Popen(
-                [sys.executable, "-m", "streamtrain", "worker", "--config", str(config), "--nproc", str(WORLD_SIZE),
-                 "--until-end"], cwd=CHECKOUT, env=worker_environment(bootstrap, topic, record, port),
-                stdout=subprocess.DEVNULL, stderr=log)
+                [
+                    sys.executable,
+                    "-m",
+                    "streamtrain",
+                    "worker",
+                    "--config",
+                    str(config),
+                    "--nproc",
+                    str(WORLD_SIZE),
+                    "--until-end",
+                ],
+                cwd=CHECKOUT,
+                env=worker_environment(bootstrap, topic, record, port),
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
             samplers = []
             try:
                 if profile:
@@ -115,22 +157,44 @@ def worker_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout
         data = RunRecord.load(record)
         result = {**data.window(warm_up), "data_wait_share": data.data_wait_share(warm_up)}
     summaries = [line.split("INFO ")[-1] for line in text.splitlines() if "stopped after" in line]
-    return {**result, "process_seconds": time.time() - started, "log": summaries,
-            **({"profile": profile_summary([p for _s, p in samplers])} if profile else {})}
+    return {
+        **result,
+        "process_seconds": time.time() - started,
+        "log": summaries,
+        **({"profile": profile_summary([p for _s, p in samplers])} if profile else {}),
+    }
 
 
-def naive_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout: float = 1200.0,
-              profile: bool = False) -> dict:
+def naive_leg(
+    config: Path, bootstrap: str, topic: str, warm_up: float, timeout: float = 1200.0, profile: bool = False
+) -> dict:
     from streamtrain.dev.kafka import free_port
 
     with tempfile.TemporaryDirectory(prefix="streamtrain-naive-") as folder:
         record, port, started = Path(folder) / "record", free_port(), time.time()
-        ranks = [subprocess.Popen(
-            [sys.executable, "-m", "streamtrain.bench.naive",
-             "--config", str(config), "--bootstrap-servers", bootstrap, "--topic", topic, "--record", str(record)],
-            cwd=CHECKOUT,
-            env={**os.environ, **local_rank_env(rank, WORLD_SIZE, port)},
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in range(WORLD_SIZE)]
+        ranks = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "streamtrain.bench.naive",
+                    "--config",
+                    str(config),
+                    "--bootstrap-servers",
+                    bootstrap,
+                    "--topic",
+                    topic,
+                    "--record",
+                    str(record),
+                ],
+                cwd=CHECKOUT,
+                env={**os.environ, **local_rank_env(rank, WORLD_SIZE, port)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for rank in range(WORLD_SIZE)
+        ]
         outputs, samplers = [], []
         try:
             if profile:
@@ -153,9 +217,12 @@ def naive_leg(config: Path, bootstrap: str, topic: str, warm_up: float, timeout:
             codes = ", ".join(f"rank {r} exited with {rank.returncode}" for r, rank in enumerate(ranks))
             raise RuntimeError(f"the naive baseline failed ({codes}):\n" + "\n".join(o[-3000:] for o in outputs))
         result = RunRecord.load(record).window(warm_up)
-    return {**result, "process_seconds": time.time() - started,
-            "log": [line for o in outputs for line in o.splitlines() if "stopped after" in line],
-            **({"profile": profile_summary([p for _s, p in samplers])} if profile else {})}
+    return {
+        **result,
+        "process_seconds": time.time() - started,
+        "log": [line for o in outputs for line in o.splitlines() if "stopped after" in line],
+        **({"profile": profile_summary([p for _s, p in samplers])} if profile else {}),
+    }
 
 
 def limit_leg(config: Path, events: int, warm_up: float) -> dict:
@@ -163,8 +230,9 @@ def limit_leg(config: Path, events: int, warm_up: float) -> dict:
 
     from streamtrain.bench.ranks import run_ranks
 
-    ranks = run_ranks("streamtrain.bench.e2e:limit_rank",
-                      {"config": str(config), "events": events, "min_seconds": 3 * warm_up})
+    ranks = run_ranks(
+        "streamtrain.bench.e2e:limit_rank", {"config": str(config), "events": events, "min_seconds": 3 * warm_up}
+    )
     wall = np.concatenate([np.array(r["step_wall"]) for r in ranks])
     counts = np.concatenate([np.array(r["step_events"]) for r in ranks])
     order = np.argsort(wall, kind="stable")
@@ -228,9 +296,28 @@ def _sample(pids: list[int], name: str) -> list[tuple[subprocess.Popen, Path]]:
     samplers = []
     for rank, pid in enumerate(pids):
         path = RESULTS / f"e2e-profile-{name}-rank{rank}.txt"
-        samplers.append((subprocess.Popen([py_spy, "record", "--format", "raw", "--rate", "100", "--nonblocking",
-                                           "--pid", str(pid), "-o", str(path)],
-                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), path))
+        samplers.append(
+            (
+                subprocess.Popen(
+                    [
+                        py_spy,
+                        "record",
+                        "--format",
+                        "raw",
+                        "--rate",
+                        "100",
+                        "--nonblocking",
+                        "--pid",
+                        str(pid),
+                        "-o",
+                        str(path),
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                ),
+                path,
+            )
+        )
     return samplers
 
 
@@ -245,13 +332,17 @@ def _stop(samplers: list[tuple[subprocess.Popen, Path]]) -> None:
 
 # Where a sample's time goes, by the first rule its stack (root to leaf, as py-spy writes it) matches.
 _CATEGORIES = (
-    ("decode: Avro per record, columns, KJT", ("schemaless_reader", "streamtrain/decode.py", "decode_record (",
-                                              "_as_id_array", "map_ids")),
+    (
+        "decode: Avro per record, columns, KJT",
+        ("schemaless_reader", "streamtrain/decode.py", "decode_record (", "_as_id_array", "map_ids"),
+    ),
     ("Kafka: consume, poll", ("consume (", "poll (streamtrain/source.py")),
     ("lists -> tensors (naive)", ("to_tensors (",)),
     ("lockstep: the ranks' vote, waiting for a batch", ("Lockstep.__iter__",)),
-    ("train: forward, backward, optimizer, collectives", ("progress (", "backward (", "forward (", "step (",
-                                                          "_call_impl (", "all_reduce")),
+    (
+        "train: forward, backward, optimizer, collectives",
+        ("progress (", "backward (", "forward (", "step (", "_call_impl (", "all_reduce"),
+    ),
     ("metrics and progress", ("streamtrain/metrics.py", "record (streamtrain/worker.py")),
 )
 
@@ -279,56 +370,81 @@ def profile_summary(paths: list[Path]) -> dict:
             frames[innermost] = frames.get(innermost, 0) + int(n)
             total += int(n)
     top = sorted(frames.items(), key=lambda kv: -kv[1])[:12]
-    return {"samples": total, "samples_without_python_frame": frameless, "files": [str(p) for p in paths],
-            "top": [[v / (total or 1), k] for k, v in top],
-            "shares": {k: v / total for k, v in sorted(counts.items(), key=lambda kv: -kv[1])} if total else {}}
+    return {
+        "samples": total,
+        "samples_without_python_frame": frameless,
+        "files": [str(p) for p in paths],
+        "top": [[v / (total or 1), k] for k, v in top],
+        "shares": {k: v / total for k, v in sorted(counts.items(), key=lambda kv: -kv[1])} if total else {},
+    }
 
 
 def table(result: dict) -> str:
     legs = result["legs"]
-    lines = [f"  {result['events']:,} events in a {result['partitions']}-partition local Kafka topic, "
-             f"{result['ranks']} ranks; warm-up (first {result['warm_up_seconds']:g}s after the first trained "
-             f"event) excluded",
-             f"  {'leg':<44} {'events/s':>12} {'counted':>10} {'seconds':>8}"]
-    names = {"naive": "naive consume-decode-train loop (baseline)", "worker": "streamtrain worker --until-end",
-             "limit": "limit: in-memory batches, no Kafka/decode"}
+    lines = [
+        f"  {result['events']:,} events in a {result['partitions']}-partition local Kafka topic, "
+        f"{result['ranks']} ranks; warm-up (first {result['warm_up_seconds']:g}s after the first trained "
+        f"event) excluded",
+        f"  {'leg':<44} {'events/s':>12} {'counted':>10} {'seconds':>8}",
+    ]
+    names = {
+        "naive": "naive consume-decode-train loop (baseline)",
+        "worker": "streamtrain worker --until-end",
+        "limit": "limit: in-memory batches, no Kafka/decode",
+    }
     for name in ("naive", "worker", "limit"):
         if name in legs:
             leg = legs[name]
-            lines.append(f"  {names[name]:<44} {leg['events_per_second']:>12,.0f} {leg['events']:>10,} "
-                         f"{leg['seconds']:>8.1f}")
+            lines.append(
+                f"  {names[name]:<44} {leg['events_per_second']:>12,.0f} {leg['events']:>10,} {leg['seconds']:>8.1f}"
+            )
     if result.get("worker_over_naive"):
         lines.append(f"  worker / naive = {result['worker_over_naive']:.2f}   (goal >= 2)")
     if result.get("worker_over_limit"):
         lines.append(f"  worker / limit = {result['worker_over_limit']:.2f}   (goal >= 0.9)")
     if legs["worker"].get("data_wait_share") is not None:
-        lines.append(f"  the worker's trainer waited for data (and the ranks' vote) "
-                     f"{100 * legs['worker']['data_wait_share']:.0f}% of its step time after the warm-up")
+        lines.append(
+            f"  the worker's trainer waited for data (and the ranks' vote) "
+            f"{100 * legs['worker']['data_wait_share']:.0f}% of its step time after the warm-up"
+        )
     for name in ("worker", "naive"):
         if "profile" in legs.get(name, {}):
             profile = legs[name]["profile"]
-            lines.append(f"  py-spy, {name} ({profile['samples']:,} samples with a Python frame, every thread of "
-                         f"both ranks): " + ", ".join(
-                f"{k} {100 * v:.0f}%" for k, v in profile["shares"].items()))
+            lines.append(
+                f"  py-spy, {name} ({profile['samples']:,} samples with a Python frame, every thread of "
+                f"both ranks): " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in profile["shares"].items())
+            )
     return "\n".join(lines)
 
 
 def markdown(result: dict) -> str:
     legs = result["legs"]
-    rows = [f"{result['events']:,} events, {result['partitions']} partitions, {result['ranks']} ranks, "
-            f"first {result['warm_up_seconds']:g} s of each leg excluded.\n",
-            "| leg | events/s | ratio |", "|---|---|---|"]
+    rows = [
+        f"{result['events']:,} events, {result['partitions']} partitions, {result['ranks']} ranks, "
+        f"first {result['warm_up_seconds']:g} s of each leg excluded.\n",
+        "| leg | events/s | ratio |",
+        "|---|---|---|",
+    ]
     if "naive" in legs:
         rows.append(f"| naive consume-decode-train loop | {rate_text(legs['naive']['events_per_second'])} | 1.00 |")
-    versus_naive = (f"**{result['worker_over_naive']:.2f}** x naive (goal ≥ 2)" if result["worker_over_naive"]
-                    else "(no naive leg in this run)")
-    rows.append(f"| `streamtrain worker --nproc 2 --until-end` | {rate_text(legs['worker']['events_per_second'])} | "
-                f"{versus_naive} |")
+    versus_naive = (
+        f"**{result['worker_over_naive']:.2f}** x naive (goal ≥ 2)"
+        if result["worker_over_naive"]
+        else "(no naive leg in this run)"
+    )
+    rows.append(
+        f"| `streamtrain worker --nproc 2 --until-end` | {rate_text(legs['worker']['events_per_second'])} | "
+        f"{versus_naive} |"
+    )
     if "limit" in legs:
-        rows.append(f"| limit: in-memory batches, no Kafka, no decoding | "
-                    f"{rate_text(legs['limit']['events_per_second'])} | "
-                    f"worker / limit = **{result['worker_over_limit']:.2f}** (goal ≥ 0.9) |")
+        rows.append(
+            f"| limit: in-memory batches, no Kafka, no decoding | "
+            f"{rate_text(legs['limit']['events_per_second'])} | "
+            f"worker / limit = **{result['worker_over_limit']:.2f}** (goal ≥ 0.9) |"
+        )
     if legs["worker"].get("data_wait_share") is not None:
-        rows.append(f"\nThe worker's trainer waited for data (and the ranks' vote) "
-                    f"{100 * legs['worker']['data_wait_share']:.0f}% of its step time after the warm-up.")
+        rows.append(
+            f"\nThe worker's trainer waited for data (and the ranks' vote) "
+            f"{100 * legs['worker']['data_wait_share']:.0f}% of its step time after the warm-up."
+        )
     return "\n".join(rows)

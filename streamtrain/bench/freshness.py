@@ -24,34 +24,51 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from streamtrain.bench.common import (SCHEMA, cdf_points, cpu_seconds, free_port_pair, machine, quantiles, rate_text,
-                                      wait_until_ready)
+from streamtrain.bench.common import (
+    SCHEMA,
+    cdf_points,
+    cpu_seconds,
+    free_port_pair,
+    machine,
+    quantiles,
+    rate_text,
+    wait_until_ready,
+)
 from streamtrain.bench.e2e import WORLD_SIZE, _children, worker_environment, worker_leg
 from streamtrain.bench.record import RunRecord
 from streamtrain.dev import CHECKOUT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-events", type=int, default=800_000,
-                        help="backlog trained to measure the max throughput (default 800,000)")
-    parser.add_argument("--loads", type=float, nargs="+", default=[0.5, 0.9],
-                        help="fractions of the max throughput to produce at (default 0.5 0.9)")
+    parser.add_argument(
+        "--max-events",
+        type=int,
+        default=800_000,
+        help="backlog trained to measure the max throughput (default 800,000)",
+    )
+    parser.add_argument(
+        "--loads",
+        type=float,
+        nargs="+",
+        default=[0.5, 0.9],
+        help="fractions of the max throughput to produce at (default 0.5 0.9)",
+    )
     parser.add_argument("--seconds", type=float, default=40.0, help="producing time per load (default 40)")
-    parser.add_argument("--warm-up", type=float, default=10.0,
-                        help="first seconds of producing not counted (default 10)")
+    parser.add_argument(
+        "--warm-up", type=float, default=10.0, help="first seconds of producing not counted (default 10)"
+    )
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     from streamtrain.dev.kafka import KafkaBroker
     from streamtrain.dev.produce import produce
 
-    max_events, seconds, warm_up = (40_000, 6.0, 2.0) if args.quick else (args.max_events, args.seconds,
-                                                                            args.warm_up)
+    max_events, seconds, warm_up = (40_000, 6.0, 2.0) if args.quick else (args.max_events, args.seconds, args.warm_up)
     with KafkaBroker() as broker:
         progress(f"max throughput: {max_events:,} events, streamtrain worker --nproc 2 --until-end")
         produce(broker.bootstrap_servers, "freshness-max", max_events, partitions=4, seed=3, schema_path=SCHEMA)
@@ -64,13 +81,34 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         for load in args.loads:
             rate = load * maximum["events_per_second"]
             progress(f"{load:.0%} load: producing {rate:,.0f} events/s for {seconds:.0f}s")
-            loads.append({"load": load, "rate": rate,
-                          **_at_rate(args.config, broker.bootstrap_servers, f"freshness-{int(load * 100)}",
-                                     rate, seconds, warm_up, pool, broker._process.pid)})
+            loads.append(
+                {
+                    "load": load,
+                    "rate": rate,
+                    **_at_rate(
+                        args.config,
+                        broker.bootstrap_servers,
+                        f"freshness-{int(load * 100)}",
+                        rate,
+                        seconds,
+                        warm_up,
+                        pool,
+                        broker._process.pid,
+                    ),
+                }
+            )
             progress(f"  p50 {loads[-1]['freshness']['p50']:.3f}s, p99 {loads[-1]['freshness']['p99']:.3f}s")
-    return {"benchmark": "freshness", "machine": machine(), "config": str(args.config), "ranks": WORLD_SIZE,
-            "max_events_per_second": maximum["events_per_second"], "max_leg": maximum,
-            "seconds": seconds, "warm_up_seconds": warm_up, "loads": loads}
+    return {
+        "benchmark": "freshness",
+        "machine": machine(),
+        "config": str(args.config),
+        "ranks": WORLD_SIZE,
+        "max_events_per_second": maximum["events_per_second"],
+        "max_leg": maximum,
+        "seconds": seconds,
+        "warm_up_seconds": warm_up,
+        "loads": loads,
+    }
 
 
 def encoded_pool(count: int, seed: int = 5) -> list[tuple[bytes, bytes]]:
@@ -103,8 +141,15 @@ def _send_paced(bootstrap: str, topic: str, pool: list[tuple[bytes, bytes]], rat
     send time; returns how many were sent."""
     from confluent_kafka import Producer
 
-    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 20, "compression.type": "lz4",
-                         "partitioner": "murmur2_random", "enable.idempotence": True})
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "linger.ms": 20,
+            "compression.type": "lz4",
+            "partitioner": "murmur2_random",
+            "enable.idempotence": True,
+        }
+    )
     total, sent, started = int(rate * seconds), 0, time.time()
     while sent < total:
         now = time.time()
@@ -124,8 +169,16 @@ def _send_paced(bootstrap: str, topic: str, pool: list[tuple[bytes, bytes]], rat
     return sent
 
 
-def _at_rate(config: Path, bootstrap: str, topic: str, rate: float, seconds: float, warm_up: float,
-             pool: list[tuple[bytes, bytes]], broker_pid: int) -> dict:
+def _at_rate(
+    config: Path,
+    bootstrap: str,
+    topic: str,
+    rate: float,
+    seconds: float,
+    warm_up: float,
+    pool: list[tuple[bytes, bytes]],
+    broker_pid: int,
+) -> dict:
     from streamtrain.dev.kafka import create_topic
 
     create_topic(bootstrap, topic, 4)
@@ -134,8 +187,11 @@ def _at_rate(config: Path, bootstrap: str, topic: str, rate: float, seconds: flo
         with open(Path(folder) / "worker.log", "wb") as log:
             worker = subprocess.Popen(
                 [sys.executable, "-m", "streamtrain", "worker", "--config", str(config), "--nproc", str(WORLD_SIZE)],
-                cwd=CHECKOUT, env=worker_environment(bootstrap, topic, record, port),
-                stdout=subprocess.DEVNULL, stderr=log)
+                cwd=CHECKOUT,
+                env=worker_environment(bootstrap, topic, record, port),
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
         try:
             for rank in range(WORLD_SIZE):
                 wait_until_ready(port + rank, worker)
@@ -157,27 +213,38 @@ def _at_rate(config: Path, bootstrap: str, topic: str, rate: float, seconds: flo
                 worker.kill()
                 worker.wait(10)
         if worker.returncode:
-            raise RuntimeError(f"the worker exited with {worker.returncode}:\n"
-                               f"{(Path(folder) / 'worker.log').read_text(errors='replace')[-3000:]}")
+            raise RuntimeError(
+                f"the worker exited with {worker.returncode}:\n"
+                f"{(Path(folder) / 'worker.log').read_text(errors='replace')[-3000:]}"
+            )
         data = RunRecord.load(record)
     counted = data.fresh_wall >= started + warm_up
     fresh = data.freshness[counted]
     after = data.step_wall >= started + warm_up
     trained_seconds = float(data.step_wall[after][-1] - (started + warm_up)) if after.any() else 0.0
-    return {"produced_events": sent, "produced_seconds": produced_seconds, "cores_used_while_sending": cores,
-            "produced_events_per_second": sent / produced_seconds,
-            "trained_events": int(data.freshness.size), "counted_events": int(fresh.size),
-            "trained_events_per_second_after_warm_up": int(data.step_events[after].sum()) / trained_seconds
-            if trained_seconds else 0.0,
-            "freshness": {**quantiles(fresh), "mean": float(fresh.mean()) if fresh.size else float("nan"),
-                          "max": float(fresh.max()) if fresh.size else float("nan")},
-            "cdf": cdf_points(fresh),
-            "freshness_over_time": _over_time(data.fresh_wall[counted] - started, fresh)}
+    return {
+        "produced_events": sent,
+        "produced_seconds": produced_seconds,
+        "cores_used_while_sending": cores,
+        "produced_events_per_second": sent / produced_seconds,
+        "trained_events": int(data.freshness.size),
+        "counted_events": int(fresh.size),
+        "trained_events_per_second_after_warm_up": int(data.step_events[after].sum()) / trained_seconds
+        if trained_seconds
+        else 0.0,
+        "freshness": {
+            **quantiles(fresh),
+            "mean": float(fresh.mean()) if fresh.size else float("nan"),
+            "max": float(fresh.max()) if fresh.size else float("nan"),
+        },
+        "cdf": cdf_points(fresh),
+        "freshness_over_time": _over_time(data.fresh_wall[counted] - started, fresh),
+    }
 
 
 def _over_time(at: np.ndarray, fresh: np.ndarray, bucket: float = 1.0) -> list[list[float]]:
     """[[seconds since producing began, p50, p99]] per ``bucket`` seconds: shows a queue building up."""
-    rows = []
+    rows: list[list[float]] = []
     if at.size == 0:
         return rows
     for start in np.arange(np.floor(at.min()), at.max() + bucket, bucket):
@@ -188,17 +255,21 @@ def _over_time(at: np.ndarray, fresh: np.ndarray, bucket: float = 1.0) -> list[l
 
 
 def table(result: dict) -> str:
-    lines = [f"  max throughput measured first: {result['max_events_per_second']:,.0f} events/s "
-             f"(worker --until-end, {result['ranks']} ranks); then {result['seconds']:.0f}s of producing per load, "
-             f"the first {result['warm_up_seconds']:.0f}s excluded",
-             f"  {'load':>5} {'produced/s':>11} {'trained/s':>10} {'p50':>8} {'p99':>8} {'max':>8}   "
-             f"cores used by ranks / broker / sender"]
+    lines = [
+        f"  max throughput measured first: {result['max_events_per_second']:,.0f} events/s "
+        f"(worker --until-end, {result['ranks']} ranks); then {result['seconds']:.0f}s of producing per load, "
+        f"the first {result['warm_up_seconds']:.0f}s excluded",
+        f"  {'load':>5} {'produced/s':>11} {'trained/s':>10} {'p50':>8} {'p99':>8} {'max':>8}   "
+        f"cores used by ranks / broker / sender",
+    ]
     for load in result["loads"]:
         f = load["freshness"]
-        lines.append(f"  {load['load']:>5.0%} {load['produced_events_per_second']:>11,.0f} "
-                     f"{load['trained_events_per_second_after_warm_up']:>10,.0f} {f['p50']:>7.3f}s {f['p99']:>7.3f}s "
-                     f"{f['max']:>7.3f}s   " + " / ".join(f"{load['cores_used_while_sending'][k]:.2f}"
-                                                        for k in ("ranks", "broker", "sender")))
+        lines.append(
+            f"  {load['load']:>5.0%} {load['produced_events_per_second']:>11,.0f} "
+            f"{load['trained_events_per_second_after_warm_up']:>10,.0f} {f['p50']:>7.3f}s {f['p99']:>7.3f}s "
+            f"{f['max']:>7.3f}s   "
+            + " / ".join(f"{load['cores_used_while_sending'][k]:.2f}" for k in ("ranks", "broker", "sender"))
+        )
     half = next((load for load in result["loads"] if load["load"] == 0.5), None)
     if half:
         lines.append(f"  p99 at 50% load: {half['freshness']['p99']:.3f}s   (goal <= 2 s)")
@@ -206,13 +277,18 @@ def table(result: dict) -> str:
 
 
 def markdown(result: dict) -> str:
-    rows = [f"Max throughput measured first: {rate_text(result['max_events_per_second'])}; "
-            f"{result['seconds']:g} s of producing per load, the first {result['warm_up_seconds']:g} s excluded.\n",
-            "| load | produced | trained | p50 | p99 | max |", "|---|---|---|---|---|---|"]
+    rows = [
+        f"Max throughput measured first: {rate_text(result['max_events_per_second'])}; "
+        f"{result['seconds']:g} s of producing per load, the first {result['warm_up_seconds']:g} s excluded.\n",
+        "| load | produced | trained | p50 | p99 | max |",
+        "|---|---|---|---|---|---|",
+    ]
     for load in result["loads"]:
         f = load["freshness"]
         goal = " (goal ≤ 2 s)" if load["load"] == 0.5 else ""
-        rows.append(f"| {load['load']:.0%} | {rate_text(load['produced_events_per_second'])} | "
-                    f"{rate_text(load['trained_events_per_second_after_warm_up'])} | {f['p50']:.2f} s | "
-                    f"**{f['p99']:.2f} s**{goal} | {f['max']:.2f} s |")
+        rows.append(
+            f"| {load['load']:.0%} | {rate_text(load['produced_events_per_second'])} | "
+            f"{rate_text(load['trained_events_per_second_after_warm_up'])} | {f['p50']:.2f} s | "
+            f"**{f['p99']:.2f} s**{goal} | {f['max']:.2f} s |"
+        )
     return "\n".join(rows)

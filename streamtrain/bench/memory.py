@@ -5,21 +5,26 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from streamtrain.bench.common import SCHEMA, machine, rss_bytes, wait_until_training
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=60.0, help="how long RSS is sampled (default 60)")
-    parser.add_argument("--backlog", type=int, default=4_000_000,
-                        help="events waiting in Kafka, far more than the worker trains (default 4,000,000)")
+    parser.add_argument(
+        "--backlog",
+        type=int,
+        default=4_000_000,
+        help="events waiting in Kafka, far more than the worker trains (default 4,000,000)",
+    )
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
-    return bench_memory(args.config, 12.0 if args.quick else args.seconds, 100_000 if args.quick else args.backlog,
-                        progress)
+    return bench_memory(
+        args.config, 12.0 if args.quick else args.seconds, 100_000 if args.quick else args.backlog, progress
+    )
 
 
 def bench_memory(config_path: Path, seconds: float, backlog_events: int, progress: Callable[[str], None]) -> dict:
@@ -36,10 +41,19 @@ def bench_memory(config_path: Path, seconds: float, backlog_events: int, progres
     with KafkaBroker() as broker:
         progress(f"writing a backlog of {backlog_events:,} events")
         produce(broker.bootstrap_servers, "memory", backlog_events, partitions=4, seed=7, schema_path=SCHEMA)
-        environ = {**os.environ, "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": broker.bootstrap_servers,
-                   "STREAMTRAIN_KAFKA__TOPIC": "memory", "STREAMTRAIN_METRICS__PORT": str(free_port())}
-        worker = subprocess.Popen([sys.executable, "-m", "streamtrain", "worker", "--config", str(config_path)],
-                                  env=environ, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        environ = {
+            **os.environ,
+            "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": broker.bootstrap_servers,
+            "STREAMTRAIN_KAFKA__TOPIC": "memory",
+            "STREAMTRAIN_METRICS__PORT": str(free_port()),
+        }
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "streamtrain", "worker", "--config", str(config_path)],
+            env=environ,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         samples: list[tuple[float, int]] = []
         try:
             wait_until_training(int(environ["STREAMTRAIN_METRICS__PORT"]), worker)
@@ -56,12 +70,20 @@ def bench_memory(config_path: Path, seconds: float, backlog_events: int, progres
     # Warm-up, excluded: the first 10 s of training or the first fifth of the run, whichever is longer.
     warm_up = max(1, sum(1 for t, _rss in samples if t < max(10.0, seconds / 5)))
     warm = samples[warm_up - 1][1]
-    peak_after = max(rss for _t, rss in samples[warm_up - 1:])
-    return {"benchmark": "memory", "machine": machine(), "seconds": seconds, "backlog_events": backlog_events,
-            "warm_up_seconds": samples[warm_up - 1][0],
-            "rss_after_warm_up_bytes": warm, "rss_peak_after_warm_up_bytes": peak_after,
-            "rss_final_bytes": samples[-1][1], "growth_after_warm_up": (peak_after - warm) / warm,
-            "samples": samples, "worker_summary": trained[-1] if trained else log_text[-2000:]}
+    peak_after = max(rss for _t, rss in samples[warm_up - 1 :])
+    return {
+        "benchmark": "memory",
+        "machine": machine(),
+        "seconds": seconds,
+        "backlog_events": backlog_events,
+        "warm_up_seconds": samples[warm_up - 1][0],
+        "rss_after_warm_up_bytes": warm,
+        "rss_peak_after_warm_up_bytes": peak_after,
+        "rss_final_bytes": samples[-1][1],
+        "growth_after_warm_up": (peak_after - warm) / warm,
+        "samples": samples,
+        "worker_summary": trained[-1] if trained else log_text[-2000:],
+    }
 
 
 def table(result: dict) -> str:
@@ -77,8 +99,12 @@ def table(result: dict) -> str:
 
 
 def markdown(result: dict) -> str:
-    return "\n".join([
-        "| backlog | RSS after warm-up | peak after warm-up | growth |", "|---|---|---|---|",
-        f"| {result['backlog_events']:,} events | {result['rss_after_warm_up_bytes'] / 2**20:,.0f} MiB | "
-        f"{result['rss_peak_after_warm_up_bytes'] / 2**20:,.0f} MiB | "
-        f"**{100 * result['growth_after_warm_up']:.1f}%** (goal < 10%) |"])
+    return "\n".join(
+        [
+            "| backlog | RSS after warm-up | peak after warm-up | growth |",
+            "|---|---|---|---|",
+            f"| {result['backlog_events']:,} events | {result['rss_after_warm_up_bytes'] / 2**20:,.0f} MiB | "
+            f"{result['rss_peak_after_warm_up_bytes'] / 2**20:,.0f} MiB | "
+            f"**{100 * result['growth_after_warm_up']:.1f}%** (goal < 10%) |",
+        ]
+    )

@@ -43,8 +43,9 @@ class NaiveDLRM(nn.Module):
     def __init__(self, features: FeaturesConfig, model: ModelConfig):
         super().__init__()
         dim = features.tables[0].embedding_dim
-        self.tables = nn.ModuleList(nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, sparse=True)
-                                    for t in features.tables)
+        self.tables = nn.ModuleList(
+            nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, sparse=True) for t in features.tables
+        )
         for table in self.tables:  # torchrec's default initialisation of EBC tables
             bound = (1.0 / table.num_embeddings) ** 0.5
             nn.init.uniform_(table.weight, -bound, bound)
@@ -54,7 +55,7 @@ class NaiveDLRM(nn.Module):
         self.over_arch = OverArch(dim + choose(n, 2) + n, list(model.over_arch_layer_sizes))
 
     def forward(self, dense: torch.Tensor, ids: list[torch.Tensor], offsets: list[torch.Tensor]) -> torch.Tensor:
-        pooled = torch.stack([table(i, o) for table, i, o in zip(self.tables, ids, offsets)], dim=1)
+        pooled = torch.stack([table(i, o) for table, i, o in zip(self.tables, ids, offsets, strict=True)], dim=1)
         return self.over_arch(self.inter_arch(self.dense_arch(dense), pooled)).squeeze(-1)
 
 
@@ -74,20 +75,31 @@ def main() -> None:
     features, batch_size = config.features, config.batching.batch_size
     schema = fastavro.parse_schema(without_logical_types(load_schema(features.resolved_schema_path())))
 
-    consumer = Consumer({"bootstrap.servers": args.bootstrap_servers, "group.id": f"naive-{args.topic}",
-                         "enable.auto.commit": False, "enable.partition.eof": True,
-                         "auto.offset.reset": "earliest", "broker.address.family": "v4", "fetch.wait.max.ms": 50})
+    consumer = Consumer(
+        {
+            "bootstrap.servers": args.bootstrap_servers,
+            "group.id": f"naive-{args.topic}",
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "auto.offset.reset": "earliest",
+            "broker.address.family": "v4",
+            "fetch.wait.max.ms": 50,
+        }
+    )
     topic = consumer.list_topics(args.topic, timeout=30).topics[args.topic]
     partitions = [p for p in sorted(topic.partitions) if p % world == rank]
-    end = {p: consumer.get_watermark_offsets(TopicPartition(args.topic, p), timeout=30, cached=False)[1]
-           for p in partitions}
+    end = {
+        p: consumer.get_watermark_offsets(TopicPartition(args.topic, p), timeout=30, cached=False)[1]
+        for p in partitions
+    }
     done = {p: end[p] == 0 for p in partitions}
     consumer.assign([TopicPartition(args.topic, p, OFFSET_BEGINNING) for p in partitions])
 
     torch.manual_seed(config.model.seed)
     naive_model = NaiveDLRM(features, config.model)
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        naive_model, [name for name, _p in naive_model.named_parameters() if name.startswith("tables.")])
+        naive_model, [name for name, _p in naive_model.named_parameters() if name.startswith("tables.")]
+    )
     model = nn.parallel.DistributedDataParallel(naive_model)
     tables = [p for name, p in model.named_parameters() if ".tables." in name]
     dense_params = [p for name, p in model.named_parameters() if ".tables." not in name]
@@ -98,7 +110,7 @@ def main() -> None:
     record = RunRecorder(args.record, rank)
     while True:
         # consume up to a batch, or what arrives within max_batch_wait_ms, in the training loop itself
-        records = []
+        records: list[dict] = []
         deadline = time.monotonic() + config.batching.max_batch_wait_ms / 1000
         while len(records) < batch_size and not all(done.values()) and time.monotonic() < deadline:
             for message in consume(consumer, batch_size - len(records)):
@@ -138,8 +150,10 @@ def main() -> None:
 
     consumer.close()
     record.close()
-    print(f"naive rank {rank} stopped after {len(record.step_wall)} steps, {sum(record.step_events):,} events "
-          f"trained", flush=True)
+    print(
+        f"naive rank {rank} stopped after {len(record.step_wall)} steps, {sum(record.step_events):,} events trained",
+        flush=True,
+    )
     dist.destroy_process_group()
 
 
@@ -150,8 +164,9 @@ def average_sparse_gradients(tables: nn.ModuleList, world: int) -> None:
     Not DDP's own sparse all-reduce: with gloo it crashed a rank (heap corruption or a segfault in
     backward) in about 1 of 30 quick e2e runs."""
     grads = [table.weight.grad.coalesce() for table in tables]
-    keys = torch.cat([torch.stack([torch.full_like(g.indices()[0], t), g.indices()[0]], dim=1)
-                      for t, g in enumerate(grads)])
+    keys = torch.cat(
+        [torch.stack([torch.full_like(g.indices()[0], t), g.indices()[0]], dim=1) for t, g in enumerate(grads)]
+    )
     values = torch.cat([g.values() for g in grads])
     counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(counts, torch.tensor([len(keys)]))
@@ -159,16 +174,17 @@ def average_sparse_gradients(tables: nn.ModuleList, world: int) -> None:
 
     def gather(local: torch.Tensor) -> torch.Tensor:
         padded = local.new_zeros((longest, *local.shape[1:]))
-        padded[:len(local)] = local
+        padded[: len(local)] = local
         out = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(out, padded)
-        return torch.cat([o[:int(c)] for o, c in zip(out, counts)])
+        return torch.cat([o[: int(c)] for o, c in zip(out, counts, strict=True)])
 
     keys, values = gather(keys), gather(values) / world
     for t, table in enumerate(tables):
         mine = keys[:, 0] == t
-        table.weight.grad = torch.sparse_coo_tensor(keys[mine, 1].unsqueeze(0), values[mine],
-                                                    table.weight.shape).coalesce()
+        table.weight.grad = torch.sparse_coo_tensor(
+            keys[mine, 1].unsqueeze(0), values[mine], table.weight.shape
+        ).coalesce()
 
 
 def consume(consumer, count: int) -> list:
@@ -183,7 +199,8 @@ def to_tensors(records: list[dict], features: FeaturesConfig):
     """Python lists -> tensors: per table the ids and bag offsets, then dense features, labels, times."""
     ids, offsets = [], []
     for table in features.tables:
-        flat, starts = [], []
+        flat: list[int] = []
+        starts: list[int] = []
         for record in records:
             starts.append(len(flat))
             value = record.get(table.field)
@@ -191,11 +208,11 @@ def to_tensors(records: list[dict], features: FeaturesConfig):
                 flat.extend(value)
             elif value is not None:
                 flat.append(value)
-        ids.append(torch.from_numpy(map_ids(_as_id_array(flat), table)) if flat
-                   else torch.zeros(0, dtype=torch.int64))
+        ids.append(torch.from_numpy(map_ids(_as_id_array(flat), table)) if flat else torch.zeros(0, dtype=torch.int64))
         offsets.append(torch.tensor(starts, dtype=torch.int64))
-    dense = torch.tensor([[_dense(r.get(d.field), d.transform) for d in features.dense] for r in records],
-                         dtype=torch.float32).reshape(len(records), len(features.dense))
+    dense = torch.tensor(
+        [[_dense(r.get(d.field), d.transform) for d in features.dense] for r in records], dtype=torch.float32
+    ).reshape(len(records), len(features.dense))
     labels = torch.tensor([float(r[features.label]) for r in records], dtype=torch.float32)
     times = np.array([r.get(features.event_time) or 0 for r in records], dtype=np.float64)
     return dense, ids, offsets, labels, times

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from streamtrain.bench.common import machine, rate_text
 
@@ -27,20 +27,36 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
 
     steps, rounds = (10, 1) if args.quick else (args.steps, args.rounds)
     progress(f"2 ranks, {rounds} counted round(s) of {steps} steps per pipeline, after one warm-up round")
-    ranks = run_ranks("streamtrain.bench.pipeline:rank_main",
-                      {"config": str(args.config), "steps": steps, "rounds": rounds}, WORLD_SIZE)
+    ranks = run_ranks(
+        "streamtrain.bench.pipeline:rank_main",
+        {"config": str(args.config), "steps": steps, "rounds": rounds},
+        WORLD_SIZE,
+    )
     legs = {}
     for name in ("base", "sparse_dist"):
         # every rank trains the same number of events; the slowest rank's time is the step time
         seconds = max(sum(r[name]["seconds"]) for r in ranks)
         events = sum(sum(r[name]["events"]) for r in ranks)
-        legs[name] = {"events": events, "seconds": seconds, "events_per_second": events / seconds,
-                      "rounds_events_per_second": [
-                          sum(r[name]["events"][i] for r in ranks) / max(r[name]["seconds"][i] for r in ranks)
-                          for i in range(rounds)]}
-    return {"benchmark": "pipeline", "machine": machine(), "config": str(args.config), "ranks": WORLD_SIZE,
-            "batch_size": ranks[0]["batch_size"], "steps_per_leg": steps, "rounds": rounds, "legs": legs,
-            "ratio": legs["sparse_dist"]["events_per_second"] / legs["base"]["events_per_second"]}
+        legs[name] = {
+            "events": events,
+            "seconds": seconds,
+            "events_per_second": events / seconds,
+            "rounds_events_per_second": [
+                sum(r[name]["events"][i] for r in ranks) / max(r[name]["seconds"][i] for r in ranks)
+                for i in range(rounds)
+            ],
+        }
+    return {
+        "benchmark": "pipeline",
+        "machine": machine(),
+        "config": str(args.config),
+        "ranks": WORLD_SIZE,
+        "batch_size": ranks[0]["batch_size"],
+        "steps_per_leg": steps,
+        "rounds": rounds,
+        "legs": legs,
+        "ratio": legs["sparse_dist"]["events_per_second"] / legs["base"]["events_per_second"],
+    }
 
 
 def rank_main(config: str, steps: int, rounds: int) -> dict:
@@ -55,8 +71,10 @@ def rank_main(config: str, steps: int, rounds: int) -> dict:
     batches = synthetic_batches(worker_config, 16, seed=env.rank)
     trainers = {"sparse_dist": Trainer(worker_config, env), "base": Trainer(worker_config, env)}
     base = trainers["base"]
-    result: dict = {"batch_size": worker_config.batching.batch_size,
-                    **{name: {"events": [], "seconds": []} for name in trainers}}
+    result: dict = {
+        "batch_size": worker_config.batching.batch_size,
+        **{name: {"events": [], "seconds": []} for name in trainers},
+    }
     for round_ in range(rounds + 1):  # round 0 warms up
         for name, trainer in trainers.items():
             if name == "base":  # TrainPipelineBase does not restart after its iterator ended
@@ -71,20 +89,26 @@ def rank_main(config: str, steps: int, rounds: int) -> dict:
 
 def table(result: dict) -> str:
     legs = result["legs"]
-    return "\n".join([
-        f"  {result['ranks']} ranks, batch {result['batch_size']} per rank, {result['rounds']} round(s) of "
-        f"{result['steps_per_leg']} steps per pipeline, warm-up round excluded",
-        f"  TrainPipelineBase        {legs['base']['events_per_second']:>12,.0f} events/s",
-        f"  TrainPipelineSparseDist  {legs['sparse_dist']['events_per_second']:>12,.0f} events/s",
-        f"  ratio                    {result['ratio']:>12.2f}",
-    ])
+    return "\n".join(
+        [
+            f"  {result['ranks']} ranks, batch {result['batch_size']} per rank, {result['rounds']} round(s) of "
+            f"{result['steps_per_leg']} steps per pipeline, warm-up round excluded",
+            f"  TrainPipelineBase        {legs['base']['events_per_second']:>12,.0f} events/s",
+            f"  TrainPipelineSparseDist  {legs['sparse_dist']['events_per_second']:>12,.0f} events/s",
+            f"  ratio                    {result['ratio']:>12.2f}",
+        ]
+    )
 
 
 def markdown(result: dict) -> str:
     legs = result["legs"]
-    return "\n".join([
-        f"{result['ranks']} ranks, {result['rounds']} rounds of {result['steps_per_leg']} steps each.\n",
-        "| pipeline | events/s | ratio |", "|---|---|---|",
-        f"| TrainPipelineBase | {rate_text(legs['base']['events_per_second'])} | 1.00 |",
-        f"| TrainPipelineSparseDist | {rate_text(legs['sparse_dist']['events_per_second'])} | "
-        f"**{result['ratio']:.2f}** |"])
+    return "\n".join(
+        [
+            f"{result['ranks']} ranks, {result['rounds']} rounds of {result['steps_per_leg']} steps each.\n",
+            "| pipeline | events/s | ratio |",
+            "|---|---|---|",
+            f"| TrainPipelineBase | {rate_text(legs['base']['events_per_second'])} | 1.00 |",
+            f"| TrainPipelineSparseDist | {rate_text(legs['sparse_dist']['events_per_second'])} | "
+            f"**{result['ratio']:.2f}** |",
+        ]
+    )

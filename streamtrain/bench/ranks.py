@@ -23,12 +23,26 @@ def run_ranks(target: str, kwargs: dict, world_size: int = 2, timeout: float = 6
         port = free_port()
         processes = []
         for rank in range(world_size):
-            log = open(Path(folder) / f"rank-{rank}.log", "wb")
-            processes.append((log, subprocess.Popen(
-                [sys.executable, "-m", "streamtrain.bench.ranks", target, json.dumps(kwargs),
-                 str(Path(folder) / f"rank-{rank}.json")],
-                cwd=CHECKOUT, env={**os.environ, **local_rank_env(rank, world_size, port)},
-                stdout=log, stderr=subprocess.STDOUT)))
+            log = open(Path(folder) / f"rank-{rank}.log", "wb")  # noqa: SIM115 - the rank writes it until it exits
+            processes.append(
+                (
+                    log,
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "streamtrain.bench.ranks",
+                            target,
+                            json.dumps(kwargs),
+                            str(Path(folder) / f"rank-{rank}.json"),
+                        ],
+                        cwd=CHECKOUT,
+                        env={**os.environ, **local_rank_env(rank, world_size, port)},
+                        stdout=log,
+                        stderr=subprocess.STDOUT,
+                    ),
+                )
+            )
         deadline = time.monotonic() + timeout
         try:
             while any(p.poll() is None for _log, p in processes):
@@ -47,8 +61,9 @@ def run_ranks(target: str, kwargs: dict, world_size: int = 2, timeout: float = 6
         failed = [rank for rank, (_log, p) in enumerate(processes) if p.returncode != 0]
         if failed:
             text = (Path(folder) / f"rank-{failed[0]}.log").read_text(errors="replace")
-            raise RuntimeError(f"{target}: rank {failed[0]} exited with {processes[failed[0]][1].returncode}:\n"
-                               f"{text[-4000:]}")
+            raise RuntimeError(
+                f"{target}: rank {failed[0]} exited with {processes[failed[0]][1].returncode}:\n{text[-4000:]}"
+            )
         return [json.loads((Path(folder) / f"rank-{rank}.json").read_text()) for rank in range(world_size)]
 
 

@@ -29,11 +29,21 @@ def run_demo(metrics_port: int = 9100, rate: float = 20_000) -> int:
         broker.create_topic(TOPIC, PARTITIONS)
         broker.create_topic(f"{TOPIC}.dlq", PARTITIONS)  # deploy/worker.yaml's dead_letter.topic
         log.info("Kafka %s is up; topic %r has %d partitions", broker.bootstrap_servers, TOPIC, PARTITIONS)
-        produce = [sys.executable, "-m", "streamtrain", "produce", "--bootstrap-servers", broker.bootstrap_servers,
-                   "--topic", TOPIC]
+        produce = [
+            sys.executable,
+            "-m",
+            "streamtrain",
+            "produce",
+            "--bootstrap-servers",
+            broker.bootstrap_servers,
+            "--topic",
+            TOPIC,
+        ]
         # A backlog first, so the worker shows its full speed, then a live stream at ``rate``.
-        script = (f"{_quote(produce)} --count {BACKLOG_EVENTS} --seed 1 && "
-                  f"exec {_quote(produce)} --count {LIVE_EVENTS} --rate {rate} --seed 2")
+        script = (
+            f"{_quote(produce)} --count {BACKLOG_EVENTS} --seed 1 && "
+            f"exec {_quote(produce)} --count {LIVE_EVENTS} --rate {rate} --seed 2"
+        )
         producer = subprocess.Popen(["bash", "-c", script], cwd=CHECKOUT, start_new_session=True)
         raw = yaml.safe_load((CHECKOUT / "deploy" / "worker.yaml").read_text())
         raw["kafka"]["bootstrap_servers"] = broker.bootstrap_servers
