@@ -32,7 +32,7 @@ from streamtrain.checkpoint import (
 )
 from streamtrain.config import parse_config
 from streamtrain.metrics import WorkerMetrics
-from streamtrain.produce import produce
+from streamtrain.dev.produce import produce
 from streamtrain.train import Trainer, init_distributed
 from test_checkpoint import batches, final_stream, weights  # noqa: F401 (batches: a fixture)
 from test_worker_kafka import end_offsets

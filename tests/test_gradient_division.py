@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from conftest import REPO, SCHEMA
 from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
-from streamtrain.produce import AvroEncoder, ClickStream, encoded_events
+from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 from streamtrain.source import RawEvent
 from streamtrain.train import Trainer, init_distributed
 

@@ -13,9 +13,9 @@ from confluent_kafka import Consumer, TopicPartition
 from conftest import SCHEMA
 from streamtrain.config import DeadLetterConfig, KafkaConfig
 from streamtrain.deadletter import DeadLetterWriter
-from streamtrain.devkafka import free_port
+from streamtrain.dev.kafka import free_port
 from streamtrain.metrics import WorkerMetrics
-from streamtrain.produce import produce
+from streamtrain.dev.produce import produce
 from streamtrain.source import KAFKA_LOG, KafkaSource, consumer_properties
 
 
