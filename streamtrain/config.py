@@ -61,6 +61,8 @@ class KafkaConfig(_ClientProperties):
     bootstrap_servers: str = Field(min_length=1)
     topic: str = Field(min_length=1)
     group_id: str = "streamtrain"
+    # How long start-up waits for a broker to answer before the worker exits 4.
+    connect_timeout_seconds: float = Field(default=30.0, gt=0)
 
     def librdkafka(self) -> dict[str, str]:
         """The librdkafka properties, secrets included; never log the result."""

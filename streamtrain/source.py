@@ -13,11 +13,24 @@ from dataclasses import dataclass
 from typing import Callable
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka.admin import ClusterMetadata
 
 from streamtrain.config import KafkaConfig
 from streamtrain.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
+
+EXIT_UNREACHABLE = 4
+EXIT_LOGIN_REFUSED = 5
+
+
+class KafkaUnavailable(RuntimeError):
+    """Kafka cannot be read at all: no broker answered at start-up, or the brokers refused the login.
+    ``exit_code`` is what the worker exits with (README, Operating)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass(slots=True)
@@ -49,6 +62,7 @@ class KafkaSource:
         self.topic = config.topic
         self.on_error = on_error
         self.brokers_down = False
+        self.login_refused: str | None = None
         self.consumer = Consumer({
             "error_cb": self._client_error,
             **config.librdkafka(),
@@ -60,7 +74,7 @@ class KafkaSource:
             "broker.address.family": "v4",
             "fetch.wait.max.ms": 50,
         })
-        metadata = self.consumer.list_topics(self.topic, timeout=metadata_timeout)
+        metadata = self._topic_metadata(metadata_timeout)
         topic_meta = metadata.topics.get(self.topic)
         if topic_meta is None or topic_meta.error is not None or not topic_meta.partitions:
             self.consumer.close()
@@ -103,10 +117,31 @@ class KafkaSource:
         log.info("rank %d/%d owns partitions %s of %s (of %d); starting at %s", rank, world_size,
                  self.partitions, self.topic, len(all_partitions), self.next_offset)
 
+    def _topic_metadata(self, timeout: float) -> ClusterMetadata:
+        """The topic's metadata, asked for during ``timeout`` seconds, and given up at once when the
+        brokers refuse the login: librdkafka retries a refused login for ever, and says so only to
+        error_cb, which the consumer serves in poll()."""
+        try:
+            return retry(lambda: self.consumer.list_topics(self.topic, timeout=1.0),
+                         Backoff(initial=0.1, maximum=0.1, timeout=timeout), retry_on=KafkaException,
+                         retriable=lambda _error: self.login_refused is None,
+                         on_retry=lambda _error, _attempt, _wait: self.consumer.poll(0))
+        except KafkaException as error:
+            self.consumer.close()
+            if self.login_refused is not None:
+                raise KafkaUnavailable(f"the Kafka brokers at {self.config.bootstrap_servers} refused the login: "
+                                       f"{self.login_refused}; check kafka.client_config and client_config_files",
+                                       EXIT_LOGIN_REFUSED) from error
+            raise KafkaUnavailable(f"no Kafka broker at {self.config.bootstrap_servers} answered within {timeout:.0f}s "
+                                   f"(kafka.connect_timeout_seconds): {error.args[0].str()}",
+                                   EXIT_UNREACHABLE) from error
+
     def _client_error(self, error: KafkaError) -> None:
         self.on_error(error.name())
         if error.code() == KafkaError._ALL_BROKERS_DOWN:
             self.brokers_down = True
+        if error.code() == KafkaError._AUTHENTICATION:
+            self.login_refused = error.str()
         log.warning("Kafka client: %s", error.str())
 
     def lag(self) -> dict[int, int]:

@@ -165,6 +165,7 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
             log.info("no snapshot under %s: starting from the earliest offsets", config.checkpoint.path)
     source = KafkaSource(config.kafka, env.rank, env.world_size, until_end=until_end, max_events=max_events,
                          start_offsets=(restored.next_offsets if restored else {}) if checkpointer else None,
+                         metadata_timeout=config.kafka.connect_timeout_seconds,
                          on_error=lambda code: metrics.kafka_errors.labels(code).inc())
     health.ready = True  # the state is restored and the broker answered the source's metadata request
     health.not_ready_reason = "the Kafka brokers are down"
