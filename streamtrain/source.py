@@ -62,6 +62,7 @@ class KafkaSource:
         self.topic = config.topic
         self.on_error = on_error
         self.brokers_down = False
+        self._queued_before_down = False  # the local queue may hold messages fetched before the brokers went down
         self.login_refused: str | None = None
         self.consumer = Consumer({
             "error_cb": self._client_error,
@@ -140,6 +141,7 @@ class KafkaSource:
         self.on_error(error.name())
         if error.code() == KafkaError._ALL_BROKERS_DOWN:
             self.brokers_down = True
+            self._queued_before_down = True
         if error.code() == KafkaError._AUTHENTICATION:
             self.login_refused = error.str()
         log.warning("Kafka client: %s", error.str())
@@ -171,7 +173,9 @@ class KafkaSource:
             return []
         events = []
         messages = self.consumer.consume(num_messages=max_events, timeout=timeout)
-        if messages:
+        if not messages:
+            self._queued_before_down = False
+        elif not self._queued_before_down:  # fetched since: a broker answers again
             self.brokers_down = False
         for message in messages:
             event = self._accept(message)
