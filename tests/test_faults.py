@@ -57,25 +57,54 @@ def test_outage_of_the_broker_mid_stream_loses_and_repeats_nothing(topic_name, s
         bad = send_bad(broker, topic_name, 8)
         # A live stream through the outage: its client buffers while the broker is down.
         producer = subprocess.Popen(
-            [sys.executable, "-m", "streamtrain", "produce", "--bootstrap-servers", broker.bootstrap_servers,
-             "--topic", topic_name, "--count", str(int(500 * (OUTAGE_SECONDS + 300))), "--rate", "500",
-             "--seed", "71"],
-            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            [
+                sys.executable,
+                "-m",
+                "streamtrain",
+                "produce",
+                "--bootstrap-servers",
+                broker.bootstrap_servers,
+                "--topic",
+                topic_name,
+                "--count",
+                str(int(500 * (OUTAGE_SECONDS + 300))),
+                "--rate",
+                "500",
+                "--seed",
+                "71",
+            ],
+            cwd=REPO,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         root = tmp_path / "snapshots"
-        env = {"STREAMTRAIN_CHECKPOINT__PATH": str(root), "STREAMTRAIN_CHECKPOINT__INTERVAL_SECONDS": "2",
-               "STREAMTRAIN_DEAD_LETTER__TOPIC": dlq, "STREAMTRAIN_DEAD_LETTER__DELIVERY_TIMEOUT_SECONDS": "5",
-               "STREAMTRAIN_DEAD_LETTER__RETRY_BACKOFF_MAX_SECONDS": "2"}
+        env = {
+            "STREAMTRAIN_CHECKPOINT__PATH": str(root),
+            "STREAMTRAIN_CHECKPOINT__INTERVAL_SECONDS": "2",
+            "STREAMTRAIN_DEAD_LETTER__TOPIC": dlq,
+            "STREAMTRAIN_DEAD_LETTER__DELIVERY_TIMEOUT_SECONDS": "5",
+            "STREAMTRAIN_DEAD_LETTER__RETRY_BACKOFF_MAX_SECONDS": "2",
+        }
         try:
             ranks = start_ranks(topic_name, 2, env=env, broker=broker)
-            ranks[0].wait_for(lambda: sum(trained_by_partition(ranks).values()) > 2000
-                              and sum(r.total("streamtrain_dead_letter_events_total") for r in ranks) >= 8,
-                              timeout=180, what="the backlog trained and dead-lettered, the live stream training")
+            ranks[0].wait_for(
+                lambda: (
+                    sum(trained_by_partition(ranks).values()) > 2000
+                    and sum(r.total("streamtrain_dead_letter_events_total") for r in ranks) >= 8
+                ),
+                timeout=180,
+                what="the backlog trained and dead-lettered, the live stream training",
+            )
             bad |= send_bad(broker, topic_name, 4)  # in flight when the broker dies, or read after it is back
             broker.kill()
             killed = time.monotonic()
             for rank in ranks:
-                rank.wait_for(lambda rank=rank: readyz(rank)[0] == 503, timeout=20,
-                              what="/readyz to answer 503 while the broker is down")
+                rank.wait_for(
+                    lambda rank=rank: readyz(rank)[0] == 503,
+                    timeout=20,
+                    what="/readyz to answer 503 while the broker is down",
+                )
                 assert "the Kafka brokers are down" in readyz(rank)[1]
             trained_at_kill = sum(trained_by_partition(ranks).values())
 
@@ -89,24 +118,33 @@ def test_outage_of_the_broker_mid_stream_loses_and_repeats_nothing(topic_name, s
             assert all(rank.process.poll() is None for rank in ranks)  # the outage stops no rank
             print(f"broker down for {time.monotonic() - killed:.1f}s")
             broker.restart()
-            ranks[0].wait_for(lambda: [readyz(rank)[0] for rank in ranks] == [200, 200]
-                              and sum(trained_by_partition(ranks).values()) > trained_at_kill,
-                              timeout=120, what="training to resume and /readyz to answer 200")
+            ranks[0].wait_for(
+                lambda: (
+                    [readyz(rank)[0] for rank in ranks] == [200, 200]
+                    and sum(trained_by_partition(ranks).values()) > trained_at_kill
+                ),
+                timeout=120,
+                what="training to resume and /readyz to answer 200",
+            )
         finally:
             producer.send_signal(signal.SIGTERM)
             _out, producer_log = producer.communicate(timeout=90)
         assert producer.returncode == 0, producer_log[-3000:]
         ends = end_offsets(broker, topic_name)
         valid = sum(ends.values()) - len(bad)
-        ranks[0].wait_for(lambda: sum(trained_by_partition(ranks).values()) == valid, timeout=120,
-                          what=f"all {valid} valid events trained")
+        ranks[0].wait_for(
+            lambda: sum(trained_by_partition(ranks).values()) == valid,
+            timeout=120,
+            what=f"all {valid} valid events trained",
+        )
         ranks[0].signal(signal.SIGTERM)
         assert [rank.wait(timeout=60) for rank in ranks] == [0, 0]
 
         stream = final_stream(root)["stream"]
         bad_per_partition = {p: sum(1 for q, _o in bad if q == p) for p in range(PARTITIONS)}
         assert {int(p): n for p, n in stream["trained"].items()} == {
-            p: ends[p] - bad_per_partition[p] for p in range(PARTITIONS)}
+            p: ends[p] - bad_per_partition[p] for p in range(PARTITIONS)
+        }
         assert {int(p): o for p, o in stream["next_offsets"].items()} == ends
         # Dead letters are written at least once: a retry may repeat one, but none is missing or extra.
         letters = read_all(broker, dlq, 1)

@@ -27,8 +27,22 @@ def start_nodes(start_worker, topic: str, *args: str, env: dict[str, str]) -> li
     """Two single-rank nodes, each a torchrun of its own with its own metrics port (both ranks
     have LOCAL_RANK 0); which one gets global rank 0 is the rendezvous' choice."""
     endpoint, rdzv_id = f"127.0.0.1:{free_port()}", f"nnodes-{uuid.uuid4().hex[:8]}"
-    launcher = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", endpoint, "--rdzv-id", rdzv_id, "--local-addr", "127.0.0.1"]
+    launcher = [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        rdzv_id,
+        "--local-addr",
+        "127.0.0.1",
+    ]
     return [start_worker(topic, *args, launcher=launcher, env=env) for _node in range(2)]
 
 
@@ -38,8 +52,12 @@ def trained(nodes) -> float:
 
 def test_nnodes_stop_together_fail_together_and_restore_exactly_once(kafka, topic_name, start_worker, tmp_path):
     root = tmp_path / "snapshots"
-    env = {"STREAMTRAIN_CHECKPOINT__PATH": str(root), "STREAMTRAIN_CHECKPOINT__INTERVAL_STEPS": "2",
-           "STREAMTRAIN_DISTRIBUTED__TIMEOUT_SECONDS": str(TIMEOUT_SECONDS), "LOGLEVEL": "INFO"}
+    env = {
+        "STREAMTRAIN_CHECKPOINT__PATH": str(root),
+        "STREAMTRAIN_CHECKPOINT__INTERVAL_STEPS": "2",
+        "STREAMTRAIN_DISTRIBUTED__TIMEOUT_SECONDS": str(TIMEOUT_SECONDS),
+        "LOGLEVEL": "INFO",
+    }
     produce(kafka.bootstrap_servers, topic_name, 3000, partitions=PARTITIONS, seed=60, schema_path=SCHEMA)
 
     # A SIGTERM to one node's torchrun reaches its rank, and the lockstep vote stops the other.
@@ -47,23 +65,35 @@ def test_nnodes_stop_together_fail_together_and_restore_exactly_once(kafka, topi
     nodes[0].wait_for(lambda: trained(nodes) >= 3000, timeout=180, what="both nodes training the backlog")
     assert all(node.total("streamtrain_events_trained_total") > 0 for node in nodes)  # both trained
     nodes[1].signal(signal.SIGTERM)
-    stopped = [node.wait_for(lambda node=node: re.search(r"rank \d stopped after (\d+) steps", node.output()),
-                             timeout=60, what="its rank to stop") for node in nodes]
+    stopped = [
+        node.wait_for(
+            lambda node=node: re.search(r"rank \d stopped after (\d+) steps", node.output()),
+            timeout=60,
+            what="its rank to stop",
+        )
+        for node in nodes
+    ]
     assert stopped[0][1] == stopped[1][1]  # at the same step
     assert nodes[1].wait(timeout=60) != 0  # torchrun re-raises the signal it was stopped by
     # The other torchrun saw its rank exit 0. It may then wait up to 300 s in torchrun's exit
     # barrier for the signalled agent, which never comes, deaf to signals (README); nothing is left
     # to lose by killing it.
-    nodes[0].wait_for(lambda: "Local worker group finished (WorkerState.SUCCEEDED)" in nodes[0].output(),
-                      timeout=30, what="torchrun to see its rank succeed")
+    nodes[0].wait_for(
+        lambda: "Local worker group finished (WorkerState.SUCCEEDED)" in nodes[0].output(),
+        timeout=30,
+        what="torchrun to see its rank succeed",
+    )
     nodes[0].kill()
     assert committed_offsets(kafka, topic_name, f"group-{topic_name}") == end_offsets(kafka, topic_name)
 
     # A node killed outright (its torchrun and its rank): the other gives up within the timeout.
     produce(kafka.bootstrap_servers, topic_name, 3000, partitions=PARTITIONS, seed=61, schema_path=SCHEMA)
     nodes = start_nodes(start_worker, topic_name, env=env)
-    nodes[0].wait_for(lambda: all(n.total("streamtrain_events_trained_total") > 0 for n in nodes), timeout=180,
-                      what="both nodes training again")
+    nodes[0].wait_for(
+        lambda: all(n.total("streamtrain_events_trained_total") > 0 for n in nodes),
+        timeout=180,
+        what="both nodes training again",
+    )
     killed = time.monotonic()
     nodes[0].kill()  # torchrun and its rank, as when a host or container dies
     assert nodes[1].wait(timeout=TIMEOUT_SECONDS + 50) != 0

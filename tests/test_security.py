@@ -33,8 +33,11 @@ def sasl_worker_config(tmp_path: Path, password: str) -> Path:
     secret = tmp_path / "kafka-password"
     secret.write_text(password + "\n")
     raw = yaml.safe_load(SMALL_CONFIG.read_text())
-    raw["kafka"]["client_config"] = {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "SCRAM-SHA-512",
-                                     "sasl.username": USER}
+    raw["kafka"]["client_config"] = {
+        "security.protocol": "SASL_PLAINTEXT",
+        "sasl.mechanism": "SCRAM-SHA-512",
+        "sasl.username": USER,
+    }
     raw["kafka"]["client_config_files"] = {"sasl.password": str(secret)}
     raw["features"]["schema_path"] = str(SCHEMA)
     raw["checkpoint"] = {"path": str(tmp_path / "snapshots")}
@@ -44,9 +47,17 @@ def sasl_worker_config(tmp_path: Path, password: str) -> Path:
 
 
 def test_sasl_login_from_a_file_trains_and_a_wrong_password_exits_5_without_leaking(
-        sasl_kafka, topic_name, start_worker, tmp_path):
-    produce(sasl_kafka.bootstrap_servers, topic_name, 2000, partitions=4, seed=80, schema_path=SCHEMA,
-            client_config=sasl_kafka.client_config)
+    sasl_kafka, topic_name, start_worker, tmp_path
+):
+    produce(
+        sasl_kafka.bootstrap_servers,
+        topic_name,
+        2000,
+        partitions=4,
+        seed=80,
+        schema_path=SCHEMA,
+        client_config=sasl_kafka.client_config,
+    )
     sasl_kafka.create_topic(topic_name + ".dlq", 1)
     producer = Producer({"bootstrap.servers": sasl_kafka.bootstrap_servers, **sasl_kafka.client_config})
     producer.produce(topic_name, value=b"", partition=0)  # one dead letter: that producer logs in too
@@ -57,12 +68,21 @@ def test_sasl_login_from_a_file_trains_and_a_wrong_password_exits_5_without_leak
     worker = start_worker(topic_name, config=sasl_worker_config(tmp_path / "good", PASSWORD), broker=sasl_kafka)
     wrong_password = f"wrong-{uuid.uuid4().hex}"
     # A long connect timeout: only failing on the refused login, not on the timeout, passes.
-    refused = start_worker(topic_name, config=sasl_worker_config(tmp_path / "bad", wrong_password),
-                           broker=sasl_kafka, env={"STREAMTRAIN_KAFKA__CONNECT_TIMEOUT_SECONDS": "600"})
+    refused = start_worker(
+        topic_name,
+        config=sasl_worker_config(tmp_path / "bad", wrong_password),
+        broker=sasl_kafka,
+        env={"STREAMTRAIN_KAFKA__CONNECT_TIMEOUT_SECONDS": "600"},
+    )
 
-    worker.wait_for(lambda: worker.total("streamtrain_events_trained_total") == 2000
-                    and worker.total("streamtrain_dead_letter_events_total") == 1,
-                    timeout=180, what="2000 events trained and 1 dead-lettered over SASL")
+    worker.wait_for(
+        lambda: (
+            worker.total("streamtrain_events_trained_total") == 2000
+            and worker.total("streamtrain_dead_letter_events_total") == 1
+        ),
+        timeout=180,
+        what="2000 events trained and 1 dead-lettered over SASL",
+    )
     with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=10) as reply:
         metrics_text = reply.read().decode()
     assert "streamtrain_events_trained_total" in metrics_text
