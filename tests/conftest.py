@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -102,10 +103,8 @@ class WorkerProcess:
         a session of its own, where a rank outlives its killed torchrun."""
         if self.process.poll() is None:
             for child in Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split():
-                try:
+                with contextlib.suppress(ProcessLookupError):  # not a group leader: it dies with the group below
                     os.killpg(int(child), signal.SIGKILL)
-                except ProcessLookupError:  # not a group leader: it dies with the group below
-                    pass
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=10)
         self.log.close()
