@@ -62,7 +62,6 @@ class KafkaSource:
         self.topic = config.topic
         self.on_error = on_error
         self.brokers_down = False
-        self._queued_before_down = False  # the local queue may hold messages fetched before the brokers went down
         self.login_refused: str | None = None
         self.consumer = Consumer({
             "error_cb": self._client_error,
@@ -141,10 +140,19 @@ class KafkaSource:
         self.on_error(error.name())
         if error.code() == KafkaError._ALL_BROKERS_DOWN:
             self.brokers_down = True
-            self._queued_before_down = True
         if error.code() == KafkaError._AUTHENTICATION:
             self.login_refused = error.str()
         log.warning("Kafka client: %s", error.str())
+
+    def _broker_answers(self) -> bool:
+        """Whether a broker answers a request now. Returned messages prove nothing: librdkafka hands
+        out what it fetched before the brokers went down after reporting them down."""
+        try:
+            self.consumer.get_watermark_offsets(TopicPartition(self.topic, self.partitions[0]), timeout=1.0,
+                                                cached=False)
+            return True
+        except KafkaException:
+            return False
 
     def lag(self) -> dict[int, int]:
         """High watermark minus read position per owned partition, from the watermarks the client
@@ -173,9 +181,7 @@ class KafkaSource:
             return []
         events = []
         messages = self.consumer.consume(num_messages=max_events, timeout=timeout)
-        if not messages:
-            self._queued_before_down = False
-        elif not self._queued_before_down:  # fetched since: a broker answers again
+        if self.brokers_down and self._broker_answers():
             self.brokers_down = False
         for message in messages:
             event = self._accept(message)
