@@ -47,7 +47,7 @@ FORMAT_VERSION = 1
 # Version 1 hashed whole config sections; version 2 lists what shapes the tensors (see below).
 FINGERPRINT_VERSION = 2
 # The worker's exit code once checkpoint.max_consecutive_failures snapshots in a row failed.
-EXIT_SNAPSHOTS_FAILING = 4
+EXIT_SNAPSHOTS_FAILING = 6
 
 
 class CheckpointError(RuntimeError):

@@ -51,6 +51,7 @@ def _worker(args: argparse.Namespace) -> int:
     config = load_config(args.config, environ)  # fail on a bad config before any rank starts
     if args.nproc and "LOCAL_RANK" not in os.environ:
         return _launch_local_ranks(args)
+    from streamtrain.source import KafkaUnavailable
     from streamtrain.worker import run_worker
 
     observers = []
@@ -58,8 +59,12 @@ def _worker(args: argparse.Namespace) -> int:
         from streamtrain.bench.record import RunRecorder
 
         observers.append(RunRecorder(Path(record), rank=int(os.environ.get("RANK", "0"))))
-    return run_worker(config, until_end=args.until_end, max_events=args.max_events,
-                      allow_partial_restore=args.allow_partial_restore, observers=observers)
+    try:
+        return run_worker(config, until_end=args.until_end, max_events=args.max_events,
+                          allow_partial_restore=args.allow_partial_restore, observers=observers)
+    except KafkaUnavailable as error:
+        print(f"streamtrain: {error}", file=sys.stderr)
+        return error.exit_code
 
 
 def _launch_local_ranks(args: argparse.Namespace) -> int:

@@ -80,6 +80,9 @@ class KafkaConfig(_ClientProperties):
     bootstrap_servers: str = Field(min_length=1)
     topic: str = Field(min_length=1)
     group_id: str = "streamtrain"
+    # How long start-up waits for a broker to answer before the worker exits 4.
+    connect_timeout_seconds: float = Field(default=30.0, gt=0)
+
     # Where reading starts when no snapshot is restored: earliest, latest, or a time (ISO-8601 with a
     # timezone, or epoch milliseconds), i.e. each partition's first message whose timestamp is at or
     # after it. Unset: the group's committed offsets, else the earliest.
@@ -293,7 +296,7 @@ class CheckpointConfig(_Strict):
     # compete with training for the GIL.
     async_mode: Literal["thread", "process"] = "thread"
     # A failed snapshot is counted (streamtrain_checkpoint_failures_total) and retried at the next
-    # trigger; after this many in a row the worker exits with code 4, since training on would pile
+    # trigger; after this many in a row the worker exits with code 6, since training on would pile
     # up work that a crash loses.
     max_consecutive_failures: int = Field(default=3, gt=0)
     # A warm start: while checkpoint.path holds no snapshot, take the weights from another run's

@@ -62,6 +62,7 @@ class DeadLetterWriter:
         self.source_topic = kafka.topic
         self.topic = config.resolved_topic(kafka.topic)
         self._fatal: KafkaError | None = None
+        self.brokers_down = False  # since the producer said so, until it writes again; /readyz reads it
         self._producer = self._new_producer()
         self._summary: Counter[str] = Counter()
         self._summary_since = time.monotonic()
@@ -89,6 +90,8 @@ class DeadLetterWriter:
         self.metrics.kafka_errors.labels(error.name()).inc()
         if error.fatal():
             self._fatal = error
+        if error.code() == KafkaError._ALL_BROKERS_DOWN:
+            self.brokers_down = True
         log.warning("Kafka dead-letter producer: %s", error.str())
 
     def check_topic(self, timeout: float = 10.0) -> None:
@@ -139,6 +142,8 @@ class DeadLetterWriter:
                 return False
             written, failures = outcome
             self._count(written)
+            if written:
+                self.brokers_down = False
             if failures:
                 pending = [(event, reason) for event, reason, _error in failures]
                 raise _Unwritten(failures)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka.admin import ClusterMetadata
 
 from streamtrain.config import KafkaConfig
 from streamtrain.retry import Backoff, retry
@@ -21,6 +22,18 @@ from streamtrain.retry import Backoff, retry
 log = logging.getLogger(__name__)
 # librdkafka's own log lines, at their levels, instead of raw lines on stderr.
 KAFKA_LOG = logging.getLogger("streamtrain.kafka")
+
+EXIT_UNREACHABLE = 4
+EXIT_LOGIN_REFUSED = 5
+
+
+class KafkaUnavailable(RuntimeError):
+    """Kafka cannot be read at all: no broker answered at start-up, or the brokers refused the login.
+    ``exit_code`` is what the worker exits with (README, Operating)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 @dataclass(slots=True)
@@ -54,8 +67,9 @@ class KafkaSource:
         self.topic = config.topic
         self.on_error = on_error
         self.brokers_down = False
+        self.login_refused: str | None = None
         self.consumer = Consumer(consumer_properties(config, until_end=until_end, error_cb=self._client_error))
-        metadata = self.consumer.list_topics(self.topic, timeout=metadata_timeout)
+        metadata = self._topic_metadata(metadata_timeout)
         topic_meta = metadata.topics.get(self.topic)
         if topic_meta is None or topic_meta.error is not None or not topic_meta.partitions:
             self.consumer.close()
@@ -125,11 +139,42 @@ class KafkaSource:
         return [tp if tp.offset >= 0 else TopicPartition(self.topic, tp.partition, self.consumer.get_watermark_offsets(
             tp, timeout=timeout, cached=False)[1]) for tp in found]
 
+    def _topic_metadata(self, timeout: float) -> ClusterMetadata:
+        """The topic's metadata, asked for during ``timeout`` seconds, and given up at once when the
+        brokers refuse the login: librdkafka retries a refused login for ever, and says so only to
+        error_cb, which the consumer serves in poll()."""
+        try:
+            return retry(lambda: self.consumer.list_topics(self.topic, timeout=1.0),
+                         Backoff(initial=0.1, maximum=0.1, timeout=timeout), retry_on=KafkaException,
+                         retriable=lambda _error: self.login_refused is None,
+                         on_retry=lambda _error, _attempt, _wait: self.consumer.poll(0))
+        except KafkaException as error:
+            self.consumer.close()
+            if self.login_refused is not None:
+                raise KafkaUnavailable(f"the Kafka brokers at {self.config.bootstrap_servers} refused the login: "
+                                       f"{self.login_refused}; check kafka.client_config and client_config_files",
+                                       EXIT_LOGIN_REFUSED) from error
+            raise KafkaUnavailable(f"no Kafka broker at {self.config.bootstrap_servers} answered within {timeout:.0f}s "
+                                   f"(kafka.connect_timeout_seconds): {error.args[0].str()}",
+                                   EXIT_UNREACHABLE) from error
+
     def _client_error(self, error: KafkaError) -> None:
         self.on_error(error.name())
         if error.code() == KafkaError._ALL_BROKERS_DOWN:
             self.brokers_down = True
+        if error.code() == KafkaError._AUTHENTICATION:
+            self.login_refused = error.str()
         log.warning("Kafka client: %s", error.str())
+
+    def _broker_answers(self) -> bool:
+        """Whether a broker answers a request now. Returned messages prove nothing: librdkafka hands
+        out what it fetched before the brokers went down after reporting them down."""
+        try:
+            self.consumer.get_watermark_offsets(TopicPartition(self.topic, self.partitions[0]), timeout=1.0,
+                                                cached=False)
+            return True
+        except KafkaException:
+            return False
 
     def lag(self) -> dict[int, int]:
         """High watermark minus read position per owned partition, from the watermarks the client
@@ -158,7 +203,7 @@ class KafkaSource:
             return []
         events = []
         messages = self.consumer.consume(num_messages=max_events, timeout=timeout)
-        if messages:
+        if self.brokers_down and self._broker_answers():
             self.brokers_down = False
         for message in messages:
             event = self._accept(message)

@@ -168,12 +168,14 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
                      config.checkpoint.init_from)
     source = KafkaSource(config.kafka, env.rank, env.world_size, until_end=until_end, max_events=max_events,
                          start_offsets=restored.next_offsets if restored else None, committed=checkpointer is None,
+                         metadata_timeout=config.kafka.connect_timeout_seconds,
                          on_error=lambda code: metrics.kafka_errors.labels(code).inc())
     health.ready = True  # the state is restored and the broker answered the source's metadata request
     health.not_ready_reason = "the Kafka brokers are down"
-    health.readiness = lambda: not source.brokers_down
     decoder = AvroBatchDecoder(config.features, schema_source(config.features))
     rejections = Rejections(config.dead_letter, config.kafka, metrics, env.rank)
+    # A rank blocked on a dead-letter write serves no consumer callbacks: its producer speaks for it.
+    health.readiness = lambda: not (source.brokers_down or (rejections.writer and rejections.writer.brokers_down))
     prefetcher = Prefetcher(source, decoder, config.batching, metrics, rejections, config.metrics.lag_refresh_seconds)
     snapshots = SnapshotSchedule(config, checkpointer, restored, source.next_offset, source.partitions,
                                  commit=prefetcher.commits.offer)

@@ -3,6 +3,7 @@ topic's offsets, and a writer-schema source for the decoder tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -63,10 +65,11 @@ def topic_name(request) -> str:
 
 
 class WorkerProcess:
-    """``python -m streamtrain worker`` in a subprocess, its metrics on a known port."""
+    """``python -m streamtrain worker`` in a subprocess, its metrics on a known port. ``launcher``
+    goes between the interpreter and ``-m streamtrain``, e.g. ``["-m", "torch.distributed.run", ...]``."""
 
     def __init__(self, kafka: KafkaBroker, topic: str, *args: str, config: Path = SMALL_CONFIG,
-                 env: dict[str, str] | None = None, local_rank: int = 0):
+                 env: dict[str, str] | None = None, local_rank: int = 0, launcher: Sequence[str] = ()):
         self.metrics_port = free_port()
         self.log_path = Path(f"/tmp/streamtrain-test-{topic}-{self.metrics_port}.log")
         environ = {
@@ -81,7 +84,7 @@ class WorkerProcess:
         }
         self.log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "streamtrain", "worker", "--config", str(config), *args],
+            [sys.executable, *launcher, "-m", "streamtrain", "worker", "--config", str(config), *args],
             cwd=REPO, env=environ, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
@@ -126,18 +129,24 @@ class WorkerProcess:
             pytest.fail(f"worker still running after {timeout}s:\n{self.output()[-4000:]}\n{self.stacks()}")
 
     def kill(self) -> None:
+        """SIGKILL the process group, and under a launcher its ranks too: torchrun starts each rank in
+        a session of its own, where a rank outlives its killed torchrun."""
         if self.process.poll() is None:
+            for child in Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split():
+                with contextlib.suppress(ProcessLookupError):  # not a group leader: it dies with the group below
+                    os.killpg(int(child), signal.SIGKILL)
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait(timeout=10)
         self.log.close()
 
 
 @pytest.fixture
-def start_worker(kafka):
+def start_worker(request):
+    """Starts workers on the session broker, or on ``broker`` (a test's own); killed at the end."""
     started: list[WorkerProcess] = []
 
-    def start(topic: str, *args: str, **kwargs) -> WorkerProcess:
-        worker = WorkerProcess(kafka, topic, *args, **kwargs)
+    def start(topic: str, *args: str, broker: KafkaBroker | None = None, **kwargs) -> WorkerProcess:
+        worker = WorkerProcess(broker or request.getfixturevalue("kafka"), topic, *args, **kwargs)
         started.append(worker)
         return worker
 
@@ -150,10 +159,11 @@ def start_worker(kafka):
 def start_ranks(start_worker):
     """``world_size`` worker processes joined as torchrun would join them (RANK, WORLD_SIZE, MASTER_*)."""
 
-    def start(topic: str, world_size: int, *args: str, env: dict[str, str] | None = None) -> list[WorkerProcess]:
+    def start(topic: str, world_size: int, *args: str, env: dict[str, str] | None = None,
+              broker: KafkaBroker | None = None) -> list[WorkerProcess]:
         master_port = str(free_port())
         return [
-            start_worker(topic, *args, local_rank=rank, env={
+            start_worker(topic, *args, broker=broker, local_rank=rank, env={
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port, "RANK": str(rank),
                 "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
                 **(env or {}),

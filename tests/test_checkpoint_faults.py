@@ -250,7 +250,7 @@ def _annotations(alert: str) -> dict:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("world_size", [1, 2])
-def test_snapshots_failing_max_consecutive_times_stop_every_rank_with_code_4(
+def test_snapshots_failing_max_consecutive_times_stop_every_rank_with_code_6(
     kafka, topic_name, start_ranks, tmp_path, world_size
 ):
     root = tmp_path / "snapshots"
@@ -270,7 +270,7 @@ def test_snapshots_failing_max_consecutive_times_stop_every_rank_with_code_4(
     ranks = start_ranks(topic_name, world_size, env=env)
     codes = [r.wait(timeout=180) for r in ranks]
     logs = [r.output() for r in ranks]
-    assert codes == [4] * world_size, logs[0][-4000:]
+    assert codes == [6] * world_size, logs[0][-4000:]
     for log in logs:
         failed_at = [int(s) for s in re.findall(r"snapshot at step (\d+) failed \(\d in a row", log)]
         assert len(failed_at) == 3, log[-4000:]

@@ -4,6 +4,9 @@ It runs the real broker from the jars that ``make setup`` copies out of Maven Ce
 checkout's .cache/, or from the folder STREAMTRAIN_KAFKA_LIBS names (an installed package has no
 .cache/), on 127.0.0.1 and free ports, with a fresh log dir. The JVM dies with its parent: it is
 stopped on ``close()``, at interpreter exit, and by the kernel (PR_SET_PDEATHSIG) if the parent is killed.
+``kill()`` crashes it (SIGKILL) and ``restart()`` brings it back on the same ports and log dir, for
+outage tests. ``sasl=(user, password)`` puts SASL_PLAINTEXT with SCRAM-SHA-512 on the client
+listener; ``client_config`` then holds what a client needs to log in.
 """
 
 from __future__ import annotations
@@ -57,18 +60,29 @@ def _die_with_parent() -> None:
 class KafkaBroker:
     """``with KafkaBroker() as broker: broker.bootstrap_servers`` -> '127.0.0.1:<port>'."""
 
-    def __init__(self, libs: Path | None = None, port: int | None = None, start_timeout: float = 90.0):
+    def __init__(self, libs: Path | None = None, port: int | None = None, start_timeout: float = 90.0,
+                 sasl: tuple[str, str] | None = None):
         self.libs = Path(libs or os.environ.get("STREAMTRAIN_KAFKA_LIBS") or DEFAULT_LIBS)
         self.port = port or free_port()
         self.controller_port = free_port()
         self.start_timeout = start_timeout
         self.workdir = Path(tempfile.mkdtemp(prefix="streamtrain-kafka-"))
         self.log_path = self.workdir / "server.log"
+        self.sasl = sasl
         self._process: subprocess.Popen | None = None
 
     @property
     def bootstrap_servers(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def client_config(self) -> dict[str, str]:
+        """librdkafka properties a client needs besides bootstrap.servers: the login in SASL mode."""
+        if self.sasl is None:
+            return {}
+        user, password = self.sasl
+        return {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": user,
+                "sasl.password": password}
 
     def __enter__(self) -> "KafkaBroker":
         self.start()
@@ -92,15 +106,18 @@ class KafkaBroker:
                 f"(`mvn -f deploy/kafka/pom.xml package -Dlibs.dir=FOLDER` fetches them there)")
         (self.workdir / "log4j2.properties").write_text(_LOG4J2.format(log=self.log_path))
         properties = self.workdir / "server.properties"
+        # The listener is named after its protocol; the controller's stays PLAINTEXT.
+        listener = "PLAINTEXT" if self.sasl is None else "SASL_PLAINTEXT"
         properties.write_text("\n".join([
             "process.roles=broker,controller",
             "node.id=1",
             f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
-            f"listeners=PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
-            f"advertised.listeners=PLAINTEXT://127.0.0.1:{self.port}",
+            f"listeners={listener}://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
+            f"advertised.listeners={listener}://127.0.0.1:{self.port}",
             "controller.listener.names=CONTROLLER",
-            "inter.broker.listener.name=PLAINTEXT",
-            "listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+            f"inter.broker.listener.name={listener}",
+            f"listener.security.protocol.map=CONTROLLER:PLAINTEXT,{listener}:{listener}",
+            *self._sasl_properties(),
             f"log.dirs={self.workdir / 'data'}",
             "num.partitions=1",
             "offsets.topic.replication.factor=1",
@@ -117,26 +134,56 @@ class KafkaBroker:
         ]))
         # The cluster id is 16 random bytes, URL-safe base64 without padding, not starting with '-'.
         cluster_id = "A" + base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")[1:]
+        # In KRaft, SCRAM users are written into the metadata log when the storage is formatted.
+        scram = [] if self.sasl is None else [
+            "--add-scram", f"SCRAM-SHA-512=[name={self.sasl[0]},password={self.sasl[1]}]"]
         formatted = subprocess.run(
-            self._java("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(properties), "-g"),
+            self._java("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(properties), "-g", *scram),
             capture_output=True, text=True, timeout=120,
         )
         if formatted.returncode != 0:
             raise BrokerError(f"formatting Kafka storage failed:\n{formatted.stdout}\n{formatted.stderr}")
-        stdout = open(self.workdir / "stdout.log", "wb")
-        self._process = subprocess.Popen(
-            self._java("kafka.Kafka", str(properties)),
-            stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent, start_new_session=True,
-        )
-        stdout.close()
         atexit.register(self.close)
+        self._launch()
+
+    def _sasl_properties(self) -> list[str]:
+        if self.sasl is None:
+            return []
+        user, password = self.sasl
+        # The broker logs in to its own listener as the same user.
+        return [
+            "sasl.enabled.mechanisms=SCRAM-SHA-512",
+            "sasl.mechanism.inter.broker.protocol=SCRAM-SHA-512",
+            "listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config="
+            f'org.apache.kafka.common.security.scram.ScramLoginModule required username="{user}" '
+            f'password="{password}";',
+        ]
+
+    def _launch(self) -> None:
+        with open(self.workdir / "stdout.log", "ab") as stdout:  # appended: a restart keeps the crash's output
+            self._process = subprocess.Popen(
+                self._java("kafka.Kafka", str(self.workdir / "server.properties")),
+                stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent, start_new_session=True,
+            )
         self._wait_until_ready()
+
+    def kill(self) -> None:
+        """Crash the broker: SIGKILL, no clean shutdown. Its ports and log dir stay for ``restart()``."""
+        if self._process is not None and self._process.poll() is None:
+            os.killpg(self._process.pid, signal.SIGKILL)
+            self._process.wait(timeout=10)
+
+    def restart(self) -> None:
+        """Start the killed broker again on the same ports and log dir, and wait until it answers."""
+        if self._process is None or self._process.poll() is None:
+            raise BrokerError("restart() needs a broker that was started and then killed")
+        self._launch()
 
     def _wait_until_ready(self) -> None:
         # Connection refusals are expected until the listener is up; keep them out of the output.
         admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "broker.address.family": "v4",
-                             "log_level": 0})
+                             "log_level": 0, **self.client_config})
         deadline = time.monotonic() + self.start_timeout
         last_error: Exception | None = None
         while time.monotonic() < deadline:
@@ -161,7 +208,7 @@ class KafkaBroker:
         return text
 
     def create_topic(self, topic: str, partitions: int, timeout: float = 30.0) -> None:
-        create_topic(self.bootstrap_servers, topic, partitions, timeout)
+        create_topic(self.bootstrap_servers, topic, partitions, timeout, self.client_config)
 
     def close(self) -> None:
         process, self._process = self._process, None
@@ -176,9 +223,12 @@ class KafkaBroker:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def create_topic(bootstrap_servers: str, topic: str, partitions: int, timeout: float = 30.0) -> bool:
-    """Create ``topic`` with ``partitions`` partitions; False if it already existed."""
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers, "broker.address.family": "v4", "log_level": 4})
+def create_topic(bootstrap_servers: str, topic: str, partitions: int, timeout: float = 30.0,
+                 client_config: dict[str, str] | None = None) -> bool:
+    """Create ``topic`` with ``partitions`` partitions; False if it already existed. ``client_config``:
+    further librdkafka properties, e.g. a SASL login."""
+    admin = AdminClient({"bootstrap.servers": bootstrap_servers, "broker.address.family": "v4", "log_level": 4,
+                         **(client_config or {})})
     future = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=-1)],
                                  operation_timeout=timeout, request_timeout=timeout)[topic]
     try:

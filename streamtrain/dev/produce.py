@@ -198,7 +198,7 @@ def produce(bootstrap_servers: str, topic: str, count: int, *, partitions: int =
 
     from streamtrain.dev.kafka import create_topic
 
-    create_topic(bootstrap_servers, topic, partitions)
+    create_topic(bootstrap_servers, topic, partitions, client_config=client_config)
     producer = Producer({
         "bootstrap.servers": bootstrap_servers,
         "linger.ms": 20,

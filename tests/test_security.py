@@ -1,0 +1,101 @@
+"""SASL/SCRAM-SHA-512 on a real broker: a worker logs in with the password from a file and trains;
+a wrong password stops it at once with exit code 5; the password never reaches the worker's log,
+its metrics or its snapshots."""
+
+from __future__ import annotations
+
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from confluent_kafka import Producer
+
+from conftest import SCHEMA, SMALL_CONFIG
+from streamtrain.devkafka import KafkaBroker
+from streamtrain.produce import produce
+
+pytestmark = pytest.mark.integration
+
+USER = "trainer"
+PASSWORD = f"pw-{uuid.uuid4().hex}"  # unique, so that finding it anywhere is a leak
+
+
+@pytest.fixture(scope="module")
+def sasl_kafka():
+    with KafkaBroker(sasl=(USER, PASSWORD)) as broker:
+        yield broker
+
+
+def sasl_worker_config(tmp_path: Path, password: str) -> Path:
+    """The small test config, logging in as README's "Training from your own Kafka cluster" shows."""
+    secret = tmp_path / "kafka-password"
+    secret.write_text(password + "\n")
+    raw = yaml.safe_load(SMALL_CONFIG.read_text())
+    raw["kafka"]["client_config"] = {
+        "security.protocol": "SASL_PLAINTEXT",
+        "sasl.mechanism": "SCRAM-SHA-512",
+        "sasl.username": USER,
+    }
+    raw["kafka"]["client_config_files"] = {"sasl.password": str(secret)}
+    raw["features"]["schema_path"] = str(SCHEMA)
+    raw["checkpoint"] = {"path": str(tmp_path / "snapshots")}
+    config = tmp_path / "worker.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    return config
+
+
+def test_sasl_login_from_a_file_trains_and_a_wrong_password_exits_5_without_leaking(
+    sasl_kafka, topic_name, start_worker, tmp_path
+):
+    produce(
+        sasl_kafka.bootstrap_servers,
+        topic_name,
+        2000,
+        partitions=4,
+        seed=80,
+        schema_path=SCHEMA,
+        client_config=sasl_kafka.client_config,
+    )
+    sasl_kafka.create_topic(topic_name + ".dlq", 1)
+    producer = Producer({"bootstrap.servers": sasl_kafka.bootstrap_servers, **sasl_kafka.client_config})
+    producer.produce(topic_name, value=b"", partition=0)  # one dead letter: that producer logs in too
+    assert producer.flush(30) == 0
+
+    (tmp_path / "good").mkdir()
+    (tmp_path / "bad").mkdir()
+    worker = start_worker(topic_name, config=sasl_worker_config(tmp_path / "good", PASSWORD), broker=sasl_kafka)
+    wrong_password = f"wrong-{uuid.uuid4().hex}"
+    # A long connect timeout: only failing on the refused login, not on the timeout, passes.
+    refused = start_worker(
+        topic_name,
+        config=sasl_worker_config(tmp_path / "bad", wrong_password),
+        broker=sasl_kafka,
+        env={"STREAMTRAIN_KAFKA__CONNECT_TIMEOUT_SECONDS": "600"},
+    )
+
+    worker.wait_for(
+        lambda: (
+            worker.total("streamtrain_events_trained_total") == 2000
+            and worker.total("streamtrain_dead_letter_events_total") == 1
+        ),
+        timeout=180,
+        what="2000 events trained and 1 dead-lettered over SASL",
+    )
+    with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=10) as reply:
+        metrics_text = reply.read().decode()
+    assert "streamtrain_events_trained_total" in metrics_text
+    worker.signal()
+    assert worker.wait(timeout=60) == 0
+    snapshot_files = [p for p in (tmp_path / "good" / "snapshots").rglob("*") if p.is_file()]
+    assert any(p.name == "streamtrain.json" for p in snapshot_files)
+    for text, where in [(worker.output(), "the worker's log"), (metrics_text, "/metrics")]:
+        assert PASSWORD not in text, f"the password is in {where}"
+    for path in snapshot_files:
+        assert PASSWORD.encode() not in path.read_bytes(), f"the password is in {path}"
+
+    assert refused.wait(timeout=120) == 5, refused.output()[-3000:]
+    output = refused.output()
+    assert f"the Kafka brokers at {sasl_kafka.bootstrap_servers} refused the login" in output
+    assert "Authentication failed" in output and wrong_password not in output
