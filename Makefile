@@ -6,19 +6,32 @@ VENV := .venv
 PY := $(VENV)/bin/python
 KAFKA_VERSION := 4.1.1
 KAFKA_LIBS := .cache/kafka/$(KAFKA_VERSION)/libs
+# Which fbgemm_gpu to install: the CUDA build (requirements/cuda.txt) on hosts where nvidia-smi
+# answers, else the CPU one (requirements/cpu.txt). Override with STREAMTRAIN_CUDA=1 or 0, or run
+# `make setup-cuda`. The worker picks its device from what is installed (distributed.device: auto).
+STREAMTRAIN_CUDA ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1 || echo 0)
+VARIANT := $(if $(filter 1,$(STREAMTRAIN_CUDA)),cuda,cpu)
+OTHER_FBGEMM := $(if $(filter cuda,$(VARIANT)),fbgemm-gpu-cpu,fbgemm-gpu)
+STAMP := $(VENV)/.stamp-$(VARIANT)
 
-.PHONY: setup lint test demo kafka clean
+.PHONY: setup setup-cuda lint test demo kafka clean
 .DEFAULT_GOAL := setup
 
-setup: $(VENV)/.stamp $(KAFKA_LIBS)/.stamp .cache/prometheus.stamp
+setup: $(STAMP) $(KAFKA_LIBS)/.stamp .cache/prometheus.stamp
 
-# torchrec is installed with --no-deps: its metadata asks for the CUDA fbgemm-gpu, which fails to
-# import without an NVIDIA driver and collides with fbgemm-gpu-cpu (both ship `fbgemm_gpu`).
-$(VENV)/.stamp: requirements/cpu.txt requirements/dev.txt pyproject.toml
+setup-cuda:
+	$(MAKE) setup STREAMTRAIN_CUDA=1
+
+# torchrec is installed with --no-deps: its metadata asks for the CUDA fbgemm-gpu, unpinned, which
+# fails to import without an NVIDIA driver and collides with fbgemm-gpu-cpu (both ship
+# `fbgemm_gpu`). For the same reason the other variant is removed before this one goes in.
+$(STAMP): requirements/$(VARIANT).txt requirements/common.txt requirements/torchrec.txt requirements/dev.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	rm -f $(VENV)/.stamp $(VENV)/.stamp-cpu $(VENV)/.stamp-cuda
 	$(PY) -m pip install --quiet --upgrade "pip>=24" "setuptools>=77"
-	$(PY) -m pip install --quiet -r requirements/cpu.txt -r requirements/dev.txt
-	$(PY) -m pip install --quiet --no-deps torchrec==1.8.0
+	$(PY) -m pip uninstall --quiet --yes $(OTHER_FBGEMM)
+	$(PY) -m pip install --quiet -r requirements/$(VARIANT).txt -r requirements/dev.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements/torchrec.txt
 	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
 	$(PY) -c "import torch, torchrec, fbgemm_gpu, confluent_kafka, fastavro, numba, prometheus_client"
 	touch $@
@@ -35,7 +48,7 @@ $(KAFKA_LIBS)/.stamp: deploy/kafka/pom.xml
 	mkdir -p .cache && (command -v prometheus >/dev/null && touch $@ || true)
 
 # Static checks, configured in pyproject.toml: ruff's lint rules, the formatter's verdict, and mypy.
-lint: $(VENV)/.stamp
+lint: $(STAMP)
 	$(VENV)/bin/ruff check streamtrain tests
 	$(VENV)/bin/ruff format --check streamtrain tests
 	$(VENV)/bin/mypy

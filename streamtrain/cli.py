@@ -21,7 +21,6 @@ DEFAULT_SCHEMA = PACKAGE_DIR / "schemas" / "click_event.avsc"
 _LIBRARY_NOISE = (
     "Sharding spec not found for",
     "caching params will be ignored",
-    "The topology was constructed directly",
     "known issue with TorchRec's dense tensor size",
 )
 
@@ -50,6 +49,9 @@ def _worker(args: argparse.Namespace) -> int:
         environ["STREAMTRAIN_KAFKA__START_AT"] = args.start_at
     config = load_config(args.config, environ)  # fail on a bad config before any rank starts
     if args.nproc and "LOCAL_RANK" not in os.environ:
+        from streamtrain.device import select_device
+
+        select_device(config.distributed.device)  # refuse distributed.device: cuda here, not in every rank
         return _launch_local_ranks(args)
     from streamtrain.source import KafkaUnavailable
     from streamtrain.worker import run_worker
@@ -102,16 +104,33 @@ def _launch_local_ranks(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from streamtrain.config import load_config
-    from streamtrain.train import describe_plan, plan_sharding, write_plan_json
+    from streamtrain.train import describe_plan, describe_topology, plan_sharding, topology, write_plan_json
 
     config = load_config(args.config)
-    _model, plan = plan_sharding(config, args.world_size, args.compute_device)
-    print(f"sharding plan for {args.world_size} rank(s) on {args.compute_device}:")
+    caps = {name: gib for name, gib in (("hbm_gb", args.hbm_gb), ("ddr_gb", args.ddr_gb)) if gib is not None}
+    if caps:  # the flags win over the config's values
+        config = config.model_copy(update={"distributed": config.distributed.model_copy(update=caps)})
+    planner_topology = topology(config, args.world_size, args.compute_device, args.local_world_size, dry_run=True)
+    _model, plan = plan_sharding(config, args.world_size, args.compute_device, planner_topology=planner_topology)
+    print(f"sharding plan for {args.world_size} rank(s) on {args.compute_device}")
+    print(describe_topology(planner_topology))
     print(describe_plan(plan, config, args.world_size))
     if args.json:
         write_plan_json(plan, config, args.world_size, args.json)
         print(f"written to {args.json}")
     return 0
+
+
+def _gib(text: str) -> float:
+    if not float(text) > 0:
+        raise argparse.ArgumentTypeError(f"{text} GiB: must be more than 0")
+    return float(text)
+
+
+def _count(text: str) -> int:
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return int(text)
 
 
 def _produce(args: argparse.Namespace) -> int:
@@ -241,6 +260,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--world-size", type=int, default=1)
     plan.add_argument("--compute-device", choices=["cpu", "cuda"], default="cpu",
                       help="plan for CPU ranks or GPU ranks (row-wise sharding needs cuda)")
+    plan.add_argument("--hbm-gb", type=_gib, metavar="GIB",
+                      help="GPU memory per rank in GiB (default distributed.hbm_gb, else 32, TorchRec's default)")
+    plan.add_argument("--ddr-gb", type=_gib, metavar="GIB",
+                      help="host memory per rank in GiB (default distributed.ddr_gb, else this host's memory "
+                           "divided by the local world size)")
+    plan.add_argument("--local-world-size", type=_count, metavar="N",
+                      help="ranks per host (default: the world size, all on one host)")
     plan.add_argument("--json", type=Path, help="also write the plan as JSON here")
     plan.set_defaults(run=_plan)
 

@@ -277,6 +277,14 @@ class DistributedConfig(_Strict):
     # the final snapshot included; past it the worker exits 3 without a clean close. Here, beside
     # timeout_seconds, since the ranks stop together and a rank's shutdown waits on its peers.
     shutdown_grace_seconds: float = Field(default=30.0, gt=0)
+    # auto: CUDA when a GPU is visible and the CUDA fbgemm-gpu is installed, else the CPU; cuda is
+    # refused at start when either is missing (see streamtrain/device.py).
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Memory per rank the sharding planner may fill, in GiB: GPU memory (hbm_gb) and host memory
+    # (ddr_gb). Unset: the GPU's total memory, and the host's (or its cgroup limit) divided by the
+    # ranks on the host.
+    hbm_gb: float | None = Field(default=None, gt=0)
+    ddr_gb: float | None = Field(default=None, gt=0)
 
     @field_validator("plan_path", mode="before")
     @classmethod

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torchrec.distributed import DistributedModelParallel, comm_ops
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim import RowWiseAdagrad
@@ -32,6 +33,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from streamtrain.config import WorkerConfig
 from streamtrain.decode import ClickBatch
+from streamtrain.device import device_memory_bytes, host_memory_bytes, select_device
 from streamtrain.model import ClickModel
 
 log = logging.getLogger(__name__)
@@ -51,22 +53,45 @@ class DistEnv:
     device: torch.device
 
 
-def init_distributed(timeout_seconds: float = 60.0) -> DistEnv:
-    """Join the process group torchrun describes in the environment, or form one of size 1."""
-    if torch.cuda.is_available():
-        local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        device = torch.device(f"cuda:{local_rank}")
-        torch.cuda.set_device(device)
-        backend = "cpu:gloo,cuda:nccl"  # async checkpoint saves need a CPU backend beside NCCL
-    else:
-        local_rank, device, backend = int(os.environ.get("LOCAL_RANK", 0)), torch.device("cpu"), "gloo"
+# On GPUs the default group's NCCL watchdog aborts the process when a collective outlasts the
+# group's timeout. It must not fire before the lockstep vote (on its own gloo group, with the
+# configured timeout) has reported a dead or frozen peer, so the default group waits twice as long.
+NCCL_TIMEOUT_FACTOR = 2
+
+
+def process_group_options(device: torch.device, timeout_seconds: float) -> tuple[str, timedelta]:
+    """The default group's backend and timeout for ranks on ``device``.
+
+    torch applies ``init_process_group``'s one timeout to every backend of the group, so with
+    ``cpu:gloo,cuda:nccl`` its gloo half waits as long as NCCL; the lockstep vote and the snapshot
+    writes run on gloo groups of their own (``gloo_group``) with ``timeout_seconds``."""
+    if device.type == "cuda":  # async checkpoint saves need a CPU backend beside NCCL
+        return "cpu:gloo,cuda:nccl", timedelta(seconds=NCCL_TIMEOUT_FACTOR * timeout_seconds)
+    return "gloo", timedelta(seconds=timeout_seconds)
+
+
+def gloo_group(world_size: int, timeout_seconds: float) -> dist.ProcessGroup | None:
+    """A gloo group of all ranks beside the default one (None at one rank), for coordination that
+    must neither interleave with the pipeline's collectives nor wait on NCCL's longer timeout."""
+    if world_size == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_seconds))
+
+
+def init_distributed(timeout_seconds: float = 60.0, device: str = "auto") -> DistEnv:
+    """Join the process group torchrun describes in the environment, or form one of size 1, on the
+    device ``select_device`` chooses for ``device`` (distributed.device)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    chosen = select_device(device, local_rank)
+    if chosen.type == "cuda":
+        torch.cuda.set_device(chosen)
+    backend, timeout = process_group_options(chosen, timeout_seconds)
     if not dist.is_initialized():
-        timeout = timedelta(seconds=timeout_seconds)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, chosen)
 
 
 @dataclass
@@ -80,17 +105,61 @@ class StepResult:
     data_wait_seconds: float  # of which waiting for the next batch (and the ranks' vote)
 
 
+_GIB = 2**30
+
+
+def topology(
+    config: WorkerConfig,
+    world_size: int,
+    compute_device: str,
+    local_world_size: int | None = None,
+    device: torch.device | None = None,
+    dry_run: bool = False,
+) -> Topology:
+    """The planner's view of the ranks, with the memory each really has.
+
+    Each rank's GPU memory is ``device``'s (none on the CPU) and its host memory this host's divided
+    by ``local_world_size`` (default LOCAL_WORLD_SIZE, else ``world_size``); ``distributed.hbm_gb``
+    and ``distributed.ddr_gb`` override them. In a dry run (``streamtrain plan``, planning for
+    other machines) they replace what this host has; unknown GPU memory (planning for cuda on a
+    host without one) stays at TorchRec's default of 32 GiB."""
+    local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    hbm, ddr = (None if gb is None else int(gb * _GIB) for gb in (config.distributed.hbm_gb, config.distributed.ddr_gb))
+    detected = device_memory_bytes(device) if device is not None and compute_device == "cuda" else None
+    return TopologyFactory.create_topology(
+        trainer_config=TrainerConfig(
+            world_size=world_size,
+            local_world_size=local,
+            hbm_cap_bytes=hbm,
+            ddr_cap_bytes=ddr,
+            is_dry_run=dry_run,
+            dry_run_hbm_bytes=hbm if dry_run else None,
+            dry_run_ddr_bytes=ddr if dry_run else None,
+        ),
+        hardware_config=HardwareConfig(hbm_cap_bytes=detected, ddr_cap_bytes=host_memory_bytes(local)),
+        kernel_config=KernelConfig(compute_device=compute_device),
+    )
+
+
+def describe_topology(topology: Topology) -> str:
+    storage = topology.devices[0].storage
+    hbm = f"GPU memory {storage.hbm / _GIB:,.1f} GiB, " if topology.compute_device == "cuda" else ""
+    return f"the planner's memory per rank: {hbm}host memory {storage.ddr / _GIB:,.1f} GiB"
+
+
 def plan_sharding(
     config: WorkerConfig,
     world_size: int,
     compute_device: str,
     pg: dist.ProcessGroup | None = None,
     dense_device: torch.device | None = None,
+    planner_topology: Topology | None = None,
 ) -> tuple[ClickModel, ShardingPlan]:
     """The model (tables on the meta device) and the planner's plan for ``world_size`` ranks.
 
     With ``pg`` the ranks plan collectively and agree on one plan; without it this is a dry run,
-    and the dense layers stay on the meta device too.
+    and the dense layers stay on the meta device too. ``planner_topology`` defaults to
+    ``topology(config, world_size, compute_device, device=dense_device)``.
     """
     model = ClickModel(config.features, config.model, dense_device or torch.device("meta"))
     apply_optimizer_in_backward(
@@ -99,11 +168,7 @@ def plan_sharding(
         {"lr": config.model.sparse_learning_rate},
     )
     planner = EmbeddingShardingPlanner(
-        topology=Topology(
-            world_size=world_size,
-            compute_device=compute_device,
-            local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world_size)),
-        ),
+        topology=planner_topology or topology(config, world_size, compute_device, device=dense_device),
         constraints={
             t.name: ParameterConstraints(sharding_types=t.sharding_types, compute_kernels=t.compute_kernels)
             for t in config.features.tables
@@ -156,7 +221,7 @@ def plan_table(plan: ShardingPlan, config: WorkerConfig, world_size: int) -> lis
 def describe_plan(plan: ShardingPlan, config: WorkerConfig, world_size: int) -> str:
     """The plan as a readable table, with the memory each rank needs for its embeddings."""
     tables = plan_table(plan, config, world_size)
-    lines = [f"{'table':<22} {'rows x dim':>16}  {'sharding':<18} {'kernel':<8} ranks"]
+    lines = [f"{'table':<22} {'rows x dim':>16}  {'sharding':<18} {'kernel':<17} ranks"]
     per_rank = [0] * world_size
     for t in tables:
         ranks = sorted({s["rank"] for s in t["shards"]})
@@ -165,7 +230,7 @@ def describe_plan(plan: ShardingPlan, config: WorkerConfig, world_size: int) -> 
         shown = ",".join(map(str, ranks)) if len(ranks) <= 8 else f"{ranks[0]}..{ranks[-1]} ({len(ranks)})"
         lines.append(
             f"{t['table']:<22} {t['rows']:>9,} x {t['dim']:<4}  {t['sharding_type']:<18} "
-            f"{t['compute_kernel']:<8} {shown}"
+            f"{t['compute_kernel']:<17} {shown}"
         )
     lines.append("embedding memory per rank (fp32 weights + optimizer state):")
     lines += [f"  rank {r}: {b / 2**20:,.1f} MiB" for r, b in enumerate(per_rank)]
@@ -185,7 +250,12 @@ class Trainer:
         # does for data-parallel tables). It is TorchRec's default, a process-wide switch: pin it.
         comm_ops.set_gradient_division(True)
         torch.manual_seed(config.model.seed)
-        model, self.plan = plan_sharding(config, env.world_size, env.device.type, dist.group.WORLD, env.device)
+        planner_topology = topology(config, env.world_size, env.device.type, device=env.device)
+        if env.rank == 0:
+            log.info("training on %s; %s", env.device.type, describe_topology(planner_topology))
+        model, self.plan = plan_sharding(
+            config, env.world_size, env.device.type, dist.group.WORLD, env.device, planner_topology
+        )
         sharders = [EmbeddingBagCollectionSharder()]
         self.model = DistributedModelParallel(
             module=model,

@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Protocol
 
 import numpy as np
@@ -25,7 +24,7 @@ from streamtrain.lockstep import Lockstep, SnapshotSchedule
 from streamtrain.metrics import Health, WorkerMetrics
 from streamtrain.registry import schema_source
 from streamtrain.source import KafkaSource
-from streamtrain.train import StepResult, Trainer, describe_plan, init_distributed, write_plan_json
+from streamtrain.train import StepResult, Trainer, describe_plan, gloo_group, init_distributed, write_plan_json
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +132,7 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
     Under torchrun every rank runs this; the ranks step in lockstep (see ``Lockstep``). Each of
     ``observers`` sees every step that trained events, and is closed at the end.
     """
-    env = init_distributed(config.distributed.timeout_seconds)
+    env = init_distributed(config.distributed.timeout_seconds, config.distributed.device)
     metrics = WorkerMetrics(config.metrics.auc_window)
     metrics.info.info({"rank": str(env.rank), "world_size": str(env.world_size), "topic": config.kafka.topic})
     health = Health(config.metrics.stall_seconds)
@@ -150,8 +149,7 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
     def own_group() -> dist.ProcessGroup | None:
         # The lockstep vote and the background checkpoint writes each get a gloo group of their own,
         # so they never interleave with the pipeline's collectives or with each other.
-        timeout = timedelta(seconds=config.distributed.timeout_seconds)
-        return dist.new_group(backend="gloo", timeout=timeout) if env.world_size > 1 else None
+        return gloo_group(env.world_size, config.distributed.timeout_seconds)
 
     checkpointer, restored = None, None
     if config.checkpoint.path:

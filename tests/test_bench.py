@@ -1,6 +1,7 @@
 """Benchmarks run in quick mode once, to prove they work; their figures are judged by people, not here."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ def results_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("STREAMTRAIN_BENCH_RESULTS", str(tmp_path / "results"))
 
 
-def test_checkpoint_benchmark_runs_and_reports_a_ratio(tmp_path):
+def test_checkpoint_benchmark_runs_and_reports_a_ratio_and_its_device(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "streamtrain", "bench", "checkpoint", "--quick", "--config", str(SMALL_CONFIG)],
         cwd=REPO,
@@ -28,9 +29,10 @@ def test_checkpoint_benchmark_runs_and_reports_a_ratio(tmp_path):
     assert "ratio" in result.stdout
     saved = json.loads(Path(result.stdout.split("results: ")[1].strip()).read_text())
     assert saved["snapshots"] >= 1 and saved["baseline_events_per_second"] > 0 and saved["ratio"] > 0
+    assert saved["device"] == "cpu" and "both legs on cpu" in result.stdout
 
 
-def test_train_step_benchmark_runs_both_paths_and_reports_a_ratio():
+def test_train_step_benchmark_runs_both_paths_on_the_workers_device_and_reports_a_ratio():
     result = subprocess.run(
         [sys.executable, "-m", "streamtrain", "bench", "train-step", "--quick"],
         cwd=REPO,
@@ -43,6 +45,8 @@ def test_train_step_benchmark_runs_both_paths_and_reports_a_ratio():
     (row,) = saved["sizes"]
     assert row["per_feature_events_per_second"] > 0 and row["fused_events_per_second"] > 0
     assert row["ratio"] == row["fused_events_per_second"] / row["per_feature_events_per_second"]
+    assert row["device"] == "cpu" and saved["machine"]["device"] == "cpu"  # fbgemm-gpu-cpu: CPU, GPU or not
+    assert re.search(r"B=512 F=4 D=8 rows=10,000 +cpu ", result.stdout)
 
 
 @pytest.mark.integration  # starts its own broker
@@ -69,7 +73,7 @@ def _bench(*args: str, timeout: float = 300) -> dict:
 
 
 @pytest.mark.integration  # starts its own broker
-def test_e2e_benchmark_trains_the_topic_with_the_worker_the_naive_loop_and_the_limit():
+def test_e2e_benchmark_trains_the_topic_with_the_worker_the_naive_loop_and_the_limit_on_one_device():
     saved = _bench("e2e", "--quick", "--config", str(SMALL_CONFIG))
     legs = saved["legs"]
     assert set(legs) == {"worker", "naive", "limit"}
@@ -77,14 +81,16 @@ def test_e2e_benchmark_trains_the_topic_with_the_worker_the_naive_loop_and_the_l
         assert legs[name]["total_events"] == saved["events"], (name, legs[name])
     assert all(leg["events_per_second"] > 0 and leg["events"] > 0 for leg in legs.values())
     assert saved["worker_over_naive"] > 0 and saved["worker_over_limit"] > 0
+    assert {leg["device"] for leg in legs.values()} == {"cpu"}
     assert saved["machine"]["cores"] and saved["machine"]["torchrec"]
 
 
-def test_pipeline_benchmark_runs_both_pipelines_on_two_ranks():
+def test_pipeline_benchmark_runs_both_pipelines_on_two_ranks_and_records_their_device():
     saved = _bench("pipeline", "--quick", "--config", str(SMALL_CONFIG))
     assert saved["ranks"] == 2
     assert saved["legs"]["base"]["events"] == saved["legs"]["sparse_dist"]["events"] > 0
     assert saved["ratio"] > 0
+    assert saved["legs"]["base"]["device"] == saved["legs"]["sparse_dist"]["device"] == "cpu"
 
 
 @pytest.mark.integration  # starts its own broker
@@ -193,7 +199,7 @@ def test_throughput_excludes_the_warm_up_and_counts_from_its_end_to_the_last_eve
     assert result["warm_up_events"] == 20 and result["total_events"] == 50
 
 
-def test_decode_benchmark_runs_both_decoders_and_reports_a_ratio():
+def test_decode_benchmark_runs_both_decoders_and_reports_a_ratio_on_the_cpu_device():
     result = subprocess.run(
         [sys.executable, "-m", "streamtrain", "bench", "decode", "--quick"],
         cwd=REPO,
@@ -207,6 +213,7 @@ def test_decode_benchmark_runs_both_decoders_and_reports_a_ratio():
     assert saved["baseline_events_per_second"] > 0 and saved["compiled_events_per_second"] > 0
     assert saved["ratio"] == saved["compiled_events_per_second"] / saved["baseline_events_per_second"]
     assert saved["first_call_seconds"] > 0
+    assert saved["device"] == "cpu"
 
 
 def _naive_gradients_rank(rank: int, port: int, out: str) -> None:

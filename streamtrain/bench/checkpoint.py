@@ -37,7 +37,7 @@ def bench_checkpoint(
     from streamtrain.checkpoint import Checkpointer, StreamState
     from streamtrain.train import Trainer, init_distributed
 
-    env = init_distributed()
+    env = init_distributed(device=config.distributed.device)
     trainer = Trainer(config, env)
     batches = synthetic_batches(config, 32)
     train_for(trainer, batches, 3.0)  # warm-up, excluded
@@ -80,6 +80,7 @@ def bench_checkpoint(
         "baseline_events_per_second": baseline.rate,
         "async_snapshot_events_per_second": contender.rate,
         "ratio": contender.rate / baseline.rate,
+        "device": env.device.type,  # both legs: one trainer
         "snapshots": len(contender.snapshots),
         "snapshot_seconds_mean": sum(contender.snapshots) / max(len(contender.snapshots), 1),
         "snapshot_bytes": snapshot_bytes,
@@ -88,6 +89,7 @@ def bench_checkpoint(
 
 def table(result: dict) -> str:
     lines = [
+        f"  both legs on {result.get('device', '-')}",
         f"  without snapshots            {result['baseline_events_per_second']:>12,.0f} events/s",
         f"  async snapshot every {result['interval_seconds']:>4.0f}s  "
         f"{result['async_snapshot_events_per_second']:>12,.0f} events/s",

@@ -19,6 +19,8 @@ from streamtrain.config import PACKAGE_DIR
 from streamtrain.dev import CHECKOUT
 
 if TYPE_CHECKING:
+    import torch
+
     from streamtrain.config import WorkerConfig
     from streamtrain.decode import ClickBatch
     from streamtrain.train import Trainer
@@ -32,6 +34,7 @@ def machine() -> dict:
     import torch
 
     from streamtrain.checkpoint import _version
+    from streamtrain.device import fbgemm_variant, select_device
 
     return {
         "cores": os.cpu_count(),
@@ -40,8 +43,30 @@ def machine() -> dict:
         "torch": torch.__version__,
         "torchrec": _version("torchrec"),
         "fbgemm_gpu": _version("fbgemm_gpu"),
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
+        "fbgemm_variant": fbgemm_variant(),
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        # what the worker trains on with distributed.device: auto; each leg records its own
+        "device": select_device("auto").type,
     }
+
+
+def clock(device: torch.device, read: Callable[[], float] = time.perf_counter) -> float:
+    """``read()`` once ``device`` has finished the work queued on it. CUDA kernels run after their
+    launch returns: a clock read without torch.cuda.synchronize() would time the launches."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize(device)
+    return read()
+
+
+def worker_device(config: Path) -> str:
+    """The device a worker (or the naive baseline) started on this host with ``config`` trains on:
+    what ``select_device`` picks for its distributed.device, environment overrides included."""
+    from streamtrain.config import load_config
+    from streamtrain.device import select_device
+
+    return select_device(load_config(config).distributed.device).type
 
 
 def describe_machine(m: dict) -> str:
@@ -115,11 +140,11 @@ def train_for(
             yield batch
 
     leg = Leg()
-    started = time.perf_counter()
+    started = clock(trainer.env.device)
     for result in trainer.train(feed()):
         leg.events += result.batch.size
         after_step(result.step)
-    leg.seconds = time.perf_counter() - started
+    leg.seconds = clock(trainer.env.device) - started
     return leg
 
 

@@ -138,6 +138,7 @@ def bench_decode(config, events: int, batch_size: int, rounds: int, progress: Ca
         "baseline_events_per_second": rate["baseline"],
         "compiled_events_per_second": rate["compiled"],
         "ratio": rate["compiled"] / rate["baseline"],
+        "device": "cpu",  # decoding runs on the CPU, wherever the worker trains
         "baseline_wall_events_per_second": wall_rate["baseline"],
         "compiled_wall_events_per_second": wall_rate["compiled"],
         "first_call_seconds": first_call_seconds,

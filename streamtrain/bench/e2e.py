@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from streamtrain.bench.common import RESULTS, SCHEMA, local_rank_env, machine, rate_text, throughput
+from streamtrain.bench.common import RESULTS, SCHEMA, local_rank_env, machine, rate_text, throughput, worker_device
 from streamtrain.bench.record import RunRecord
 from streamtrain.dev import CHECKOUT
 
@@ -159,6 +159,7 @@ def worker_leg(
     summaries = [line.split("INFO ")[-1] for line in text.splitlines() if "stopped after" in line]
     return {
         **result,
+        "device": worker_device(config),
         "process_seconds": time.time() - started,
         "log": summaries,
         **({"profile": profile_summary([p for _s, p in samplers])} if profile else {}),
@@ -219,6 +220,7 @@ def naive_leg(
         result = RunRecord.load(record).window(warm_up)
     return {
         **result,
+        "device": worker_device(config),
         "process_seconds": time.time() - started,
         "log": [line for o in outputs for line in o.splitlines() if "stopped after" in line],
         **({"profile": profile_summary([p for _s, p in samplers])} if profile else {}),
@@ -236,7 +238,7 @@ def limit_leg(config: Path, events: int, warm_up: float) -> dict:
     wall = np.concatenate([np.array(r["step_wall"]) for r in ranks])
     counts = np.concatenate([np.array(r["step_events"]) for r in ranks])
     order = np.argsort(wall, kind="stable")
-    return throughput(wall[order], counts[order], warm_up)
+    return {**throughput(wall[order], counts[order], warm_up), "device": ranks[0]["device"]}
 
 
 def limit_rank(config: str, events: int, min_seconds: float) -> dict:
@@ -249,7 +251,7 @@ def limit_rank(config: str, events: int, min_seconds: float) -> dict:
     from streamtrain.train import Trainer, init_distributed
 
     worker_config = load_config(config)
-    env = init_distributed()
+    env = init_distributed(device=worker_config.distributed.device)
     steps = max(events // (worker_config.batching.batch_size * env.world_size), 1)
     # As many distinct events as the topic held, from the same stream model (a seed per rank), so
     # the tables see as many distinct rows as in the Kafka legs; decoded before the clock starts.
@@ -272,7 +274,7 @@ def limit_rank(config: str, events: int, min_seconds: float) -> dict:
         dist.all_reduce(elapsed, op=dist.ReduceOp.MIN)
         if done >= steps and elapsed.item() >= min_seconds:
             break
-    return {"step_wall": step_wall, "step_events": step_events}
+    return {"step_wall": step_wall, "step_events": step_events, "device": env.device.type}
 
 
 def _children(pid: int) -> list[int]:
@@ -385,7 +387,7 @@ def table(result: dict) -> str:
         f"  {result['events']:,} events in a {result['partitions']}-partition local Kafka topic, "
         f"{result['ranks']} ranks; warm-up (first {result['warm_up_seconds']:g}s after the first trained "
         f"event) excluded",
-        f"  {'leg':<44} {'events/s':>12} {'counted':>10} {'seconds':>8}",
+        f"  {'leg':<44} {'device':<6} {'events/s':>12} {'counted':>10} {'seconds':>8}",
     ]
     names = {
         "naive": "naive consume-decode-train loop (baseline)",
@@ -396,7 +398,8 @@ def table(result: dict) -> str:
         if name in legs:
             leg = legs[name]
             lines.append(
-                f"  {names[name]:<44} {leg['events_per_second']:>12,.0f} {leg['events']:>10,} {leg['seconds']:>8.1f}"
+                f"  {names[name]:<44} {leg.get('device', '-'):<6} {leg['events_per_second']:>12,.0f} "
+                f"{leg['events']:>10,} {leg['seconds']:>8.1f}"
             )
     if result.get("worker_over_naive"):
         lines.append(f"  worker / naive = {result['worker_over_naive']:.2f}   (goal >= 2)")

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from streamtrain.bench.common import SCHEMA, machine, rss_bytes, wait_until_training
+from streamtrain.bench.common import SCHEMA, machine, rss_bytes, wait_until_training, worker_device
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -83,6 +83,7 @@ def bench_memory(config_path: Path, seconds: float, backlog_events: int, progres
         "growth_after_warm_up": (peak_after - warm) / warm,
         "samples": samples,
         "worker_summary": trained[-1] if trained else log_text[-2000:],
+        "device": worker_device(config_path),
     }
 
 

@@ -7,7 +7,8 @@ gathered into Python lists and turned into tensors per batch. The model is the w
 (torchrec's DenseArch, InteractionArch and OverArch, the same sizes) over one
 ``nn.EmbeddingBag(sparse=True)`` per table. The dense layers are in DDP; the tables' sparse
 gradients are averaged over the ranks by all-gathering the rows each rank touched. torch's Adagrad
-updates the tables and Adam the dense layers.
+updates the tables and Adam the dense layers. It trains on the worker's device (``init_distributed``
+with the config's ``distributed.device``), and reads the clock only after the device's work is done.
 
 Ranks stay in step: before each step they all-reduce (events held, finished); a rank without a
 batch trains an empty one, so no collective waits forever, and all stop when every rank is done.
@@ -31,10 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch, choose
 
+from streamtrain.bench.common import clock
 from streamtrain.bench.record import RunRecorder
 from streamtrain.config import FeaturesConfig, ModelConfig, load_config
 from streamtrain.decode import _as_id_array, map_ids
 from streamtrain.schema import load_schema, without_logical_types
+from streamtrain.train import init_distributed
 
 
 class NaiveDLRM(nn.Module):
@@ -69,9 +72,9 @@ def main() -> None:
 
     from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     config = load_config(args.config)
+    env = init_distributed(config.distributed.timeout_seconds, config.distributed.device)
+    rank, world, device = env.rank, env.world_size, env.device
     features, batch_size = config.features, config.batching.batch_size
     schema = fastavro.parse_schema(without_logical_types(load_schema(features.resolved_schema_path())))
 
@@ -96,11 +99,13 @@ def main() -> None:
     consumer.assign([TopicPartition(args.topic, p, OFFSET_BEGINNING) for p in partitions])
 
     torch.manual_seed(config.model.seed)
-    naive_model = NaiveDLRM(features, config.model)
+    naive_model = NaiveDLRM(features, config.model).to(device)
     nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         naive_model, [name for name, _p in naive_model.named_parameters() if name.startswith("tables.")]
     )
-    model = nn.parallel.DistributedDataParallel(naive_model)
+    model = nn.parallel.DistributedDataParallel(
+        naive_model, device_ids=[device.index] if device.type == "cuda" else None
+    )
     tables = [p for name, p in model.named_parameters() if ".tables." in name]
     dense_params = [p for name, p in model.named_parameters() if ".tables." not in name]
     sparse_optimizer = torch.optim.Adagrad(tables, lr=config.model.sparse_learning_rate)
@@ -132,7 +137,7 @@ def main() -> None:
                 break
             continue
 
-        dense, ids, offsets, labels, times = to_tensors(records, features)
+        dense, ids, offsets, labels, times = to_tensors(records, features, device)
 
         sparse_optimizer.zero_grad()
         dense_optimizer.zero_grad()
@@ -143,7 +148,7 @@ def main() -> None:
         average_sparse_gradients(naive_model.tables, world)
         sparse_optimizer.step()
         dense_optimizer.step()
-        applied = time.time()
+        applied = clock(device, time.time)
         if not record.step_wall:  # for `bench e2e --profile`: sampling starts after the warm-up
             (args.record / f"rank-{rank}.started").touch()
         record.step_trained(applied, applied - times / 1000.0)
@@ -151,7 +156,8 @@ def main() -> None:
     consumer.close()
     record.close()
     print(
-        f"naive rank {rank} stopped after {len(record.step_wall)} steps, {sum(record.step_events):,} events trained",
+        f"naive rank {rank} stopped after {len(record.step_wall)} steps, {sum(record.step_events):,} events trained "
+        f"on {device.type}",
         flush=True,
     )
     dist.destroy_process_group()
@@ -168,8 +174,8 @@ def average_sparse_gradients(tables: nn.ModuleList, world: int) -> None:
         [torch.stack([torch.full_like(g.indices()[0], t), g.indices()[0]], dim=1) for t, g in enumerate(grads)]
     )
     values = torch.cat([g.values() for g in grads])
-    counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-    dist.all_gather(counts, torch.tensor([len(keys)]))
+    counts = [torch.zeros(1, dtype=torch.int64, device=keys.device) for _ in range(world)]
+    dist.all_gather(counts, torch.tensor([len(keys)], device=keys.device))
     longest = max(max(int(c) for c in counts), 1)
 
     def gather(local: torch.Tensor) -> torch.Tensor:
@@ -195,8 +201,9 @@ def decode_record(value: bytes, schema) -> dict:
     return fastavro.schemaless_reader(io.BytesIO(value), schema, None)
 
 
-def to_tensors(records: list[dict], features: FeaturesConfig):
-    """Python lists -> tensors: per table the ids and bag offsets, then dense features, labels, times."""
+def to_tensors(records: list[dict], features: FeaturesConfig, device: torch.device | None = None):
+    """Python lists -> tensors on ``device``: per table the ids and bag offsets, then dense features,
+    labels, times (a numpy array)."""
     ids, offsets = [], []
     for table in features.tables:
         flat: list[int] = []
@@ -215,6 +222,9 @@ def to_tensors(records: list[dict], features: FeaturesConfig):
     ).reshape(len(records), len(features.dense))
     labels = torch.tensor([float(r[features.label]) for r in records], dtype=torch.float32)
     times = np.array([r.get(features.event_time) or 0 for r in records], dtype=np.float64)
+    if device is not None:
+        dense, labels = dense.to(device), labels.to(device)
+        ids, offsets = [i.to(device) for i in ids], [o.to(device) for o in offsets]
     return dense, ids, offsets, labels, times
 
 

@@ -9,7 +9,6 @@ batch i's forward; TrainPipelineBase runs input distribution, forward and backwa
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 from streamtrain.bench.common import machine, rate_text
@@ -41,6 +40,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
             "events": events,
             "seconds": seconds,
             "events_per_second": events / seconds,
+            "device": ranks[0]["device"],
             "rounds_events_per_second": [
                 sum(r[name]["events"][i] for r in ranks) / max(r[name]["seconds"][i] for r in ranks)
                 for i in range(rounds)
@@ -62,28 +62,29 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
 def rank_main(config: str, steps: int, rounds: int) -> dict:
     from torchrec.distributed.train_pipeline import TrainPipelineBase
 
-    from streamtrain.bench.common import synthetic_batches, train_for
+    from streamtrain.bench.common import clock, synthetic_batches, train_for
     from streamtrain.config import load_config
     from streamtrain.train import Trainer, init_distributed
 
     worker_config = load_config(config)
-    env = init_distributed()
+    env = init_distributed(device=worker_config.distributed.device)
     batches = synthetic_batches(worker_config, 16, seed=env.rank)
     trainers = {"sparse_dist": Trainer(worker_config, env), "base": Trainer(worker_config, env)}
     base = trainers["base"]
     result: dict = {
         "batch_size": worker_config.batching.batch_size,
+        "device": env.device.type,
         **{name: {"events": [], "seconds": []} for name in trainers},
     }
     for round_ in range(rounds + 1):  # round 0 warms up
         for name, trainer in trainers.items():
             if name == "base":  # TrainPipelineBase does not restart after its iterator ended
                 base.pipeline = TrainPipelineBase(base.model, base.optimizer, env.device)
-            started = time.perf_counter()
+            started = clock(env.device)
             leg = train_for(trainer, batches, steps=steps)
             if round_:
                 result[name]["events"].append(leg.events)
-                result[name]["seconds"].append(time.perf_counter() - started)
+                result[name]["seconds"].append(clock(env.device) - started)
     return result
 
 
@@ -93,8 +94,10 @@ def table(result: dict) -> str:
         [
             f"  {result['ranks']} ranks, batch {result['batch_size']} per rank, {result['rounds']} round(s) of "
             f"{result['steps_per_leg']} steps per pipeline, warm-up round excluded",
-            f"  TrainPipelineBase        {legs['base']['events_per_second']:>12,.0f} events/s",
-            f"  TrainPipelineSparseDist  {legs['sparse_dist']['events_per_second']:>12,.0f} events/s",
+            f"  TrainPipelineBase        {legs['base']['events_per_second']:>12,.0f} events/s  "
+            f"on {legs['base'].get('device', '-')}",
+            f"  TrainPipelineSparseDist  {legs['sparse_dist']['events_per_second']:>12,.0f} events/s  "
+            f"on {legs['sparse_dist'].get('device', '-')}",
             f"  ratio                    {result['ratio']:>12.2f}",
         ]
     )

@@ -1,6 +1,7 @@
 """train-step: one nn.EmbeddingBag per feature with torch's sparse Adagrad against the fused TBE path
 (an EmbeddingBagCollection under DMP, Adagrad applied in backward), the same batches and the same dense
-layers, at several batch sizes, feature counts, dims and table sizes."""
+layers, at several batch sizes, feature counts, dims and table sizes, both on the device the worker
+would train on (distributed.device of --config)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from streamtrain.bench.common import machine, rate_text
+from streamtrain.bench.common import clock, machine, rate_text
+from streamtrain.config import load_config
 from streamtrain.train import init_distributed
 
 
@@ -22,7 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     sizes = [StepSize(512, 4, 8, 10_000)] if args.quick else TRAIN_STEP_SIZES
-    return bench_train_step(sizes, 2.0 if args.quick else args.seconds, progress)
+    device = load_config(args.config).distributed.device
+    return bench_train_step(sizes, 2.0 if args.quick else args.seconds, progress, device)
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class _PerFeatureModel(torch.nn.Module):
         )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        offsets = torch.arange(ids.shape[1])
+        offsets = torch.arange(ids.shape[1], device=ids.device)
         pooled = [table(ids[f], offsets) for f, table in enumerate(self.tables)]
         return self.top(torch.cat(pooled, dim=1)).squeeze(-1)
 
@@ -100,13 +103,16 @@ class _FusedModel(torch.nn.Module):
         return self.top(self.ebc(features).values()).squeeze(-1)
 
 
-def bench_train_step(sizes: list[StepSize], seconds: float, progress: Callable[[str], None]) -> dict:
+def bench_train_step(
+    sizes: list[StepSize], seconds: float, progress: Callable[[str], None], device: str = "auto"
+) -> dict:
     """Per-feature nn.EmbeddingBag with torch's sparse Adagrad against the fused TBE path (EBC
-    under DMP, Adagrad applied in backward), same batches and same dense layers, per size."""
-    init_distributed()
+    under DMP, Adagrad applied in backward), same batches and same dense layers, per size, on the
+    device ``select_device`` picks for ``device``."""
+    env = init_distributed(device=device)
     rows = []
     for size in sizes:
-        rate = _rates(size, seconds)
+        rate = _rates(size, seconds, env.device)
         rows.append(
             {
                 "size": str(size),
@@ -117,24 +123,25 @@ def bench_train_step(sizes: list[StepSize], seconds: float, progress: Callable[[
                 "per_feature_events_per_second": rate["per_feature"],
                 "fused_events_per_second": rate["fused"],
                 "ratio": rate["fused"] / rate["per_feature"],
+                "device": env.device.type,  # both legs
             }
         )
         progress(
-            f"{size}: per-feature {rate['per_feature']:,.0f}/s, fused {rate['fused']:,.0f}/s, "
+            f"{size} on {env.device.type}: per-feature {rate['per_feature']:,.0f}/s, fused {rate['fused']:,.0f}/s, "
             f"ratio {rows[-1]['ratio']:.2f}"
         )
     return {"benchmark": "train-step", "machine": machine(), "leg_seconds": seconds / 2, "sizes": rows}
 
 
-def _rates(size: StepSize, seconds: float) -> dict[str, float]:
-    """Events/s of both variants at one size, in alternating legs of ``seconds / 2``."""
+def _rates(size: StepSize, seconds: float, device: torch.device) -> dict[str, float]:
+    """Events/s of both variants at one size on ``device``, in alternating legs of ``seconds / 2``."""
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    inputs = _step_inputs(size, 16, seed=size.rows + size.dim)
-    baseline = _PerFeatureModel(size)
+    inputs = [(ids.to(device), labels.to(device)) for ids, labels in _step_inputs(size, 16, seed=size.rows + size.dim)]
+    baseline = _PerFeatureModel(size).to(device)
     sparse = torch.optim.Adagrad([p for t in baseline.tables for p in t.parameters()], lr=0.05)
     dense = torch.optim.Adam(baseline.top.parameters(), lr=1e-3)
 
@@ -148,11 +155,9 @@ def _rates(size: StepSize, seconds: float) -> dict[str, float]:
 
     fused = _FusedModel(size)
     apply_optimizer_in_backward(torch.optim.Adagrad, fused.ebc.parameters(), {"lr": 0.05})
-    fused = DistributedModelParallel(
-        fused, device=torch.device("cpu"), env=ShardingEnv.from_process_group(dist.group.WORLD)
-    )
+    fused = DistributedModelParallel(fused, device=device, env=ShardingEnv.from_process_group(dist.group.WORLD))
     fused_dense = torch.optim.Adam(fused.module.top.parameters(), lr=1e-3)
-    lengths = torch.ones(size.features * size.batch, dtype=torch.int32)
+    lengths = torch.ones(size.features * size.batch, dtype=torch.int32, device=device)
     kjts = [
         KeyedJaggedTensor(keys=fused.module.keys, values=ids.reshape(-1), lengths=lengths) for ids, _labels in inputs
     ]
@@ -167,21 +172,21 @@ def _rates(size: StepSize, seconds: float) -> dict[str, float]:
     steps = {"per_feature": 0, "fused": 0}
     for round_ in range(3):  # round 0 warms up and is not counted
         for name, step in (("per_feature", baseline_step), ("fused", fused_step)):
-            started, count = time.perf_counter(), 0
-            while time.perf_counter() - started < seconds / 2:
+            started, count = clock(device), 0
+            while time.perf_counter() - started < seconds / 2:  # when to stop; the leg's time is clock()'s
                 step(count % len(inputs))
                 count += 1
             if round_:
-                legs[name] += time.perf_counter() - started
+                legs[name] += clock(device) - started
                 steps[name] += count
     return {name: steps[name] * size.batch / legs[name] for name in legs}
 
 
 def table(result: dict) -> str:
-    lines = [f"  {'size':<36} {'per-feature':>14} {'fused (TBE)':>14} {'ratio':>7}"]
+    lines = [f"  {'size':<36} {'device':<6} {'per-feature':>14} {'fused (TBE)':>14} {'ratio':>7}"]
     for row in result["sizes"]:
         lines.append(
-            f"  {row['size']:<36} {row['per_feature_events_per_second']:>12,.0f}/s "
+            f"  {row['size']:<36} {row.get('device', '-'):<6} {row['per_feature_events_per_second']:>12,.0f}/s "
             f"{row['fused_events_per_second']:>12,.0f}/s {row['ratio']:>7.2f}"
         )
     return "\n".join(lines)

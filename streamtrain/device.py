@@ -1,0 +1,112 @@
+"""What this host trains on: the device, chosen from what is installed as well as what is visible,
+and the memory a rank has there, for the sharding planner.
+
+A GPU alone is not enough. PyPI's torch is a CUDA build, so ``torch.cuda.is_available()`` is true
+on any GPU host, but the fused embedding kernels come from fbgemm_gpu, whose CPU variant
+(``fbgemm-gpu-cpu``) has no CUDA kernels. Tables placed on CUDA with that variant fail at the
+first lookup. So ``auto`` picks CUDA only when the CUDA variant is installed *and* a GPU is
+visible; ``distributed.device: cuda`` is refused at start when either is missing.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from streamtrain.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+_FIX_VARIANT = (
+    "install the CUDA variant in a fresh environment (`make setup-cuda`, or "
+    "`pip install -r requirements/cuda.txt`; never beside fbgemm-gpu-cpu)"
+)
+
+
+def fbgemm_variant() -> str | None:
+    """The installed fbgemm_gpu's variant: "cpu", "cuda" (or "rocm"), None when it is not installed.
+
+    Read from the package's target file (fbgemm_gpu 1.x writes ``docs/target.default.json.py``,
+    which its ``__variant__`` comes from) without importing it: the CUDA variant does not import
+    on a host without an NVIDIA driver. Else from the distribution's name."""
+    spec = importlib.util.find_spec("fbgemm_gpu")
+    if spec is None:
+        return None
+    for location in spec.submodule_search_locations or ():
+        target = Path(location) / "docs" / "target.default.json.py"
+        try:
+            return str(json.loads(target.read_text())["variant"])
+        except (OSError, ValueError, KeyError):
+            continue
+    for distribution, variant in (("fbgemm-gpu-cpu", "cpu"), ("fbgemm-gpu", "cuda")):
+        try:
+            importlib.metadata.version(distribution)
+            return variant
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def select_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
+    """The device a rank trains on, for ``distributed.device`` (auto, cpu or cuda); a request this
+    host cannot honour raises ConfigError naming the field and the fix. Changes nothing."""
+    if choice == "cpu":
+        return torch.device("cpu")
+    variant = fbgemm_variant()
+    visible = torch.cuda.is_available()
+    if choice == "cuda":
+        if variant != "cuda":
+            raise ConfigError(
+                f"distributed.device: cuda needs the CUDA build of fbgemm_gpu, but the installed one is "
+                f"{'the ' + variant + ' variant' if variant else 'missing'}: {_FIX_VARIANT}; or set "
+                "distributed.device: auto (STREAMTRAIN_DISTRIBUTED__DEVICE=auto) to train on the CPU"
+            )
+        if not visible:
+            raise ConfigError(
+                "distributed.device: cuda, but torch sees no GPU (torch.cuda.is_available() is false: no NVIDIA "
+                "driver, CUDA_VISIBLE_DEVICES hides them, or a CPU-only torch); run on a GPU host, or set "
+                "distributed.device: cpu (STREAMTRAIN_DISTRIBUTED__DEVICE=cpu)"
+            )
+    if variant == "cuda" and visible:
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise ConfigError(
+                f"distributed.device: local rank {local_rank} has no GPU of its own ({count} visible): run at most "
+                f"{count} ranks per host (--nproc / torchrun --nproc-per-node)"
+            )
+        return torch.device("cuda", local_rank)
+    if visible and local_rank == 0:
+        log.warning(
+            "a GPU is visible but fbgemm_gpu is the %s variant: training on the CPU; to train on the GPU, %s",
+            variant,
+            _FIX_VARIANT,
+        )
+    return torch.device("cpu")
+
+
+def device_memory_bytes(device: torch.device) -> int | None:
+    """Total memory of a CUDA device (HBM), None for the CPU."""
+    if device.type != "cuda":
+        return None
+    return int(torch.cuda.get_device_properties(device.index or 0).total_memory)
+
+
+def host_memory_bytes(local_world_size: int) -> int:
+    """This host's memory per local rank: physical memory, or the container's cgroup limit if lower,
+    divided by the ranks on this host."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            limit = Path(limit_file).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+        break
+    return total // max(local_world_size, 1)
