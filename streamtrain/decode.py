@@ -538,7 +538,7 @@ def _result(
             keys=keys,
             values=torch.from_numpy(values),
             lengths=torch.from_numpy(np.ascontiguousarray(lengths if everything else lengths[:, kept]).reshape(-1)),
-        ),
+        ).sync(),  # per-key lengths and offsets, computed here on the host, not by a .tolist() per step
         labels=torch.from_numpy(labels if everything else labels[kept]),
         event_time_ms=torch.from_numpy(times if everything else times[kept]),
         loss_scale=torch.tensor(1.0 / max(count, 1)),
