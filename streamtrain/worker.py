@@ -174,14 +174,15 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
     health.readiness = lambda: not source.brokers_down
     decoder = AvroBatchDecoder(config.features, schema_source(config.features))
     rejections = Rejections(config.dead_letter, config.kafka, metrics, env.rank)
-    prefetcher = Prefetcher(source, decoder, config.batching, metrics, rejections, config.metrics.lag_refresh_seconds)
+    prefetcher = Prefetcher(source, decoder, config.batching, metrics, rejections, config.metrics.lag_refresh_seconds,
+                            device=env.device)
     snapshots = SnapshotSchedule(config, checkpointer, restored, source.next_offset, source.partitions,
                                  commit=prefetcher.commits.offer)
     if checkpointer and restored is None and config.checkpoint.init_from:
         # The warm start becomes this run's step 0: a restart before the first snapshot resumes
         # from it, not from init_from, which may have moved on meanwhile.
         checkpointer.save(snapshots.state.copy())
-    steps = Lockstep(prefetcher, lambda: decoder.decode([]).batch, env.world_size, own_group(),
+    steps = Lockstep(prefetcher, lambda: prefetcher.prepare(decoder.decode([]).batch), env.world_size, own_group(),
                      flush_after_seconds=config.batching.max_batch_wait_ms / 1000, questions=snapshots.questions(),
                      heartbeat=health.beat, max_events=max_events)
     shutdown = _Shutdown(config.distributed.shutdown_grace_seconds)
