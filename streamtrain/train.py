@@ -248,7 +248,15 @@ class Trainer:
             lambda params: torch.optim.Adam(params, lr=config.model.dense_learning_rate),
         )
         self.optimizer = CombinedOptimizer([self.model.fused_optimizer, dense_optimizer])
-        self.pipeline = TrainPipelineSparseDist(self.model, self.optimizer, env.device, execute_all_batches=True)
+        self.pipeline = TrainPipelineSparseDist(
+            self.model,
+            self.optimizer,
+            env.device,
+            execute_all_batches=True,
+            # Batch i's forward is launched before batch i+2 is fetched: the lockstep's vote and the
+            # queue wait then run while the GPU computes, not before it starts.
+            enqueue_batch_after_forward=True,
+        )
         self.step = 0
 
     def train(self, batches: Iterable[ClickBatch]) -> Iterator[StepResult]:
