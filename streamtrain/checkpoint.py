@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from streamtrain.config import CheckpointConfig, WorkerConfig
@@ -175,6 +176,32 @@ def _fingerprint_v1(config: WorkerConfig) -> dict[str, str]:
     }
 
 
+def staging_options(device: torch.device, async_mode: str) -> StagingOptions | None:
+    """How ``dcp.async_save`` stages (copies) a snapshot's state on a trainer on ``device``, before
+    the write goes on in the background. None: as DCP does by default, through the
+    ``FileSystemWriter`` (a blocking copy into fresh, pageable host memory per snapshot); that is
+    what runs on CPU. On CUDA: into pinned host buffers kept from one snapshot to the next, filled
+    by non-blocking copies, synchronously: ``dcp.async_save`` returns only once every copy is done,
+    so the next step cannot change the weights of the cut. ``process`` mode is refused there."""
+    if device.type != "cuda":
+        return None
+    if async_mode == "process":
+        raise CheckpointError(
+            "checkpoint.async_mode: process does not support a CUDA trainer: the helper process would be "
+            "handed DTensors whose device mesh is on CUDA (and pinned host memory shared with it, which "
+            "DCP registers slowly); this has never been run. Use checkpoint.async_mode: thread, which "
+            "stages to pinned host memory and writes in a thread (STREAMTRAIN_CHECKPOINT__ASYNC_MODE=thread)."
+        )
+    return StagingOptions(
+        use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
+    )
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    """Where the trainer runs: DMP puts the dense parameters on its device."""
+    return next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+
+
 def _fs(root: str) -> tuple[fsspec.AbstractFileSystem, str]:
     return fsspec.core.url_to_fs(str(root))
 
@@ -298,6 +325,10 @@ class Checkpointer:
         self.last_attempt_step = 0
         self.consecutive_failures = 0
         self.last_failure = ""
+        # One stager for the worker's life: it keeps its pinned buffers. One save is in flight at
+        # a time, so a staging never overwrites the buffers a write is still reading.
+        options = staging_options(_device_of(model), config.async_mode)
+        self.stager: AsyncStager | None = DefaultStager(options) if options is not None else None
         if rank == 0:
             fs, base = _fs(self.root)
             fs.makedirs(base, exist_ok=True)
@@ -330,6 +361,7 @@ class Checkpointer:
                 storage_writer=writer,
                 process_group=self.group,
                 async_checkpointer_type=_ASYNC_MODES[self.config.async_mode],
+                async_stager=self.stager,
             )
         except Exception as error:  # failed here on this rank only: finish_save makes every rank agree
             future = Future()

@@ -111,7 +111,10 @@ class ClickBatch(Pipelineable):
         return replace(
             self,
             global_batch_size=global_batch_size,
-            loss_scale=torch.tensor(world_size / max(global_batch_size, 1), dtype=torch.float32),
+            # Pinned like the rest of the batch when it was pinned, so its copy is asynchronous too.
+            loss_scale=torch.tensor(
+                world_size / max(global_batch_size, 1), dtype=torch.float32, pin_memory=self.loss_scale.is_pinned()
+            ),
         )
 
     def to(self, device: torch.device, non_blocking: bool = False) -> ClickBatch:
@@ -122,6 +125,18 @@ class ClickBatch(Pipelineable):
             labels=self.labels.to(device, non_blocking=non_blocking),
             event_time_ms=self.event_time_ms.to(device, non_blocking=non_blocking),
             loss_scale=self.loss_scale.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> ClickBatch:
+        """This batch in page-locked host memory, from which the pipeline's copies to the GPU do
+        not block the host (needs CUDA)."""
+        return replace(
+            self,
+            dense_features=self.dense_features.pin_memory(),
+            sparse_features=self.sparse_features.pin_memory(),
+            labels=self.labels.pin_memory(),
+            event_time_ms=self.event_time_ms.pin_memory(),
+            loss_scale=self.loss_scale.pin_memory(),
         )
 
     def record_stream(self, stream: torch.Stream) -> None:
@@ -538,7 +553,7 @@ def _result(
             keys=keys,
             values=torch.from_numpy(values),
             lengths=torch.from_numpy(np.ascontiguousarray(lengths if everything else lengths[:, kept]).reshape(-1)),
-        ),
+        ).sync(),  # per-key lengths and offsets, computed here on the host, not by a .tolist() per step
         labels=torch.from_numpy(labels if everything else labels[kept]),
         event_time_ms=torch.from_numpy(times if everything else times[kept]),
         loss_scale=torch.tensor(1.0 / max(count, 1)),

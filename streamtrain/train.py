@@ -94,15 +94,63 @@ def init_distributed(timeout_seconds: float = 60.0, device: str = "auto") -> Dis
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, chosen)
 
 
+class StepReadout:
+    """A step's summed loss and logits, on their way to the host.
+
+    Reading a GPU value at once makes the host wait for the whole step it comes from. On CUDA the
+    values are copied without blocking into pinned host memory right after the step is launched,
+    and an event marks the copy's end; read one step later, the copy is long done. On CPU they are
+    the values themselves, and nothing waits.
+    """
+
+    def __init__(self, loss_sum: torch.Tensor, logits: torch.Tensor):
+        loss_sum, logits = loss_sum.detach(), logits.detach()
+        self._ready: torch.cuda.Event | None = None
+        if loss_sum.is_cuda:
+            self._loss_sum = torch.empty((), dtype=torch.float32, pin_memory=True)
+            self._logits = torch.empty(logits.shape, dtype=torch.float32, pin_memory=True)
+            self._loss_sum.copy_(loss_sum, non_blocking=True)
+            self._logits.copy_(logits, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._loss_sum, self._logits = loss_sum.float(), logits.float()
+
+    def loss_sum(self) -> float:
+        """The step's summed (unscaled) loss; on CUDA, waits for its copy."""
+        self._wait()
+        return float(self._loss_sum)
+
+    def logits(self) -> torch.Tensor:
+        """The step's logits as float32 on the host; on CUDA, waits for their copy."""
+        self._wait()
+        return self._logits
+
+    def _wait(self) -> None:
+        if self._ready is not None:
+            self._ready.synchronize()
+
+
 @dataclass
 class StepResult:
     step: int
-    batch: ClickBatch
-    loss_sum: float
-    logits: torch.Tensor
-    labels: torch.Tensor
+    batch: ClickBatch  # the host batch, as the lockstep handed it over; its labels are the step's
+    readout: StepReadout
     seconds: float  # the whole step
     data_wait_seconds: float  # of which waiting for the next batch (and the ranks' vote)
+
+    @property
+    def loss_sum(self) -> float:
+        """Blocks on CUDA until the step is done; the worker reads it one step late instead."""
+        return self.readout.loss_sum()
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.readout.logits()
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.batch.labels
 
 
 _GIB = 2**30
@@ -270,7 +318,15 @@ class Trainer:
             lambda params: torch.optim.Adam(params, lr=config.model.dense_learning_rate),
         )
         self.optimizer = CombinedOptimizer([self.model.fused_optimizer, dense_optimizer])
-        self.pipeline = TrainPipelineSparseDist(self.model, self.optimizer, env.device, execute_all_batches=True)
+        self.pipeline = TrainPipelineSparseDist(
+            self.model,
+            self.optimizer,
+            env.device,
+            execute_all_batches=True,
+            # Batch i's forward is launched before batch i+2 is fetched: the lockstep's vote and the
+            # queue wait then run while the GPU computes, not before it starts.
+            enqueue_batch_after_forward=True,
+        )
         self.step = 0
 
     def train(self, batches: Iterable[ClickBatch]) -> Iterator[StepResult]:
@@ -297,10 +353,9 @@ class Trainer:
             started, waited = time.perf_counter(), 0.0
             try:
                 with torch.profiler.record_function("streamtrain.step"):
-                    loss_sum, logits, labels = self.pipeline.progress(source)
+                    loss_sum, logits, _labels = self.pipeline.progress(source)
             except StopIteration:
                 return
             self.step += 1
-            yield StepResult(
-                self.step, taken.popleft(), float(loss_sum), logits, labels, time.perf_counter() - started, waited
-            )
+            readout = StepReadout(loss_sum, logits)
+            yield StepResult(self.step, taken.popleft(), readout, time.perf_counter() - started, waited)

@@ -54,9 +54,12 @@ class _Progress:
         self.step = 0
         self.trained = 0
         self.loss_sum = 0.0
+        self.loss_events = 0  # events whose loss has been read: the steps before the unread one
+        self.unread: StepResult | None = None
         self.last_time = time.monotonic()
         self.last_trained = 0
         self.last_loss_sum = 0.0
+        self.last_loss_events = 0
         self.first_trained_at = 0.0
         self.last_trained_at = 0.0
         self.done = threading.Event()
@@ -70,6 +73,9 @@ class _Progress:
     def __exit__(self, *exc: object) -> None:
         self.done.set()
         self.thread.join(timeout=5)
+        if exc[0] is None:  # after a failure the last step's values may never reach the host
+            self._read(self.unread)
+            self.unread = None
         self.report()
 
     def record(self, result: StepResult) -> None:
@@ -84,8 +90,6 @@ class _Progress:
                 metrics.events_trained.labels(self.topic, str(partition)).inc(span.events)
         metrics.batches.inc()
         if batch.size:
-            metrics.loss.set(result.loss_sum / batch.size)
-            metrics.progressive_quality.add(result.logits.float().cpu().numpy(), result.labels.cpu().numpy())
             applied = time.time()
             freshness = applied - batch.event_time_ms.cpu().numpy() / 1000.0
             metrics.freshness.observe_many(freshness)
@@ -96,7 +100,20 @@ class _Progress:
             self.first_trained_at = self.first_trained_at or time.monotonic()
             self.last_trained_at = time.monotonic()
         self.trained += batch.size
-        self.loss_sum += result.loss_sum
+        # The loss and logits are read one step late: the last step's copies to the host are done
+        # by now, while this step's would make the host wait for the step's end (StepReadout).
+        self._read(self.unread)
+        self.unread = result
+
+    def _read(self, result: StepResult | None) -> None:
+        if result is None:
+            return
+        batch, loss_sum = result.batch, result.loss_sum
+        if batch.size:
+            self.metrics.loss.set(loss_sum / batch.size)
+            self.metrics.progressive_quality.add(result.logits.numpy(), batch.labels.numpy())
+        self.loss_sum += loss_sum
+        self.loss_events += batch.size
 
     def summary(self) -> str:
         seconds = self.last_trained_at - self.first_trained_at
@@ -109,10 +126,11 @@ class _Progress:
 
     def report(self) -> None:
         now = time.monotonic()
-        trained, loss_sum = self.trained, self.loss_sum
+        trained, loss_sum, loss_events = self.trained, self.loss_sum, self.loss_events
         events = trained - self.last_trained
         rate = events / max(now - self.last_time, 1e-9)
-        loss = f"{(loss_sum - self.last_loss_sum) / events:.4f}" if events else "-"
+        read = loss_events - self.last_loss_events
+        loss = f"{(loss_sum - self.last_loss_sum) / read:.4f}" if read else "-"
         quality = self.metrics.progressive_quality.compute()
         auc = quality["window"]["auc"]
         self.metrics.examples_per_second.set(rate)
@@ -123,6 +141,7 @@ class _Progress:
         log.info("rank %d step %d | trained %s events | %s events/s | loss %s | progressive AUC %.4f | queue %d",
                  self.rank, self.step, f"{trained:,}", f"{rate:,.0f}", loss, auc, self.queue_depth())
         self.last_time, self.last_trained, self.last_loss_sum = now, trained, loss_sum
+        self.last_loss_events = loss_events
 
 
 def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int | None = None,
@@ -174,14 +193,15 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
     rejections = Rejections(config.dead_letter, config.kafka, metrics, env.rank)
     # A rank blocked on a dead-letter write serves no consumer callbacks: its producer speaks for it.
     health.readiness = lambda: not (source.brokers_down or (rejections.writer and rejections.writer.brokers_down))
-    prefetcher = Prefetcher(source, decoder, config.batching, metrics, rejections, config.metrics.lag_refresh_seconds)
+    prefetcher = Prefetcher(source, decoder, config.batching, metrics, rejections, config.metrics.lag_refresh_seconds,
+                            device=env.device)
     snapshots = SnapshotSchedule(config, checkpointer, restored, source.next_offset, source.partitions,
                                  commit=prefetcher.commits.offer)
     if checkpointer and restored is None and config.checkpoint.init_from:
         # The warm start becomes this run's step 0: a restart before the first snapshot resumes
         # from it, not from init_from, which may have moved on meanwhile.
         checkpointer.save(snapshots.state.copy())
-    steps = Lockstep(prefetcher, lambda: decoder.decode([]).batch, env.world_size, own_group(),
+    steps = Lockstep(prefetcher, lambda: prefetcher.prepare(decoder.decode([]).batch), env.world_size, own_group(),
                      flush_after_seconds=config.batching.max_batch_wait_ms / 1000, questions=snapshots.questions(),
                      heartbeat=health.beat, max_events=max_events)
     shutdown = _Shutdown(config.distributed.shutdown_grace_seconds)
