@@ -62,8 +62,13 @@ def _worker(args: argparse.Namespace) -> int:
 
         observers.append(RunRecorder(Path(record), rank=int(os.environ.get("RANK", "0"))))
     try:
-        return run_worker(config, until_end=args.until_end, max_events=args.max_events,
-                          allow_partial_restore=args.allow_partial_restore, observers=observers)
+        return run_worker(
+            config,
+            until_end=args.until_end,
+            max_events=args.max_events,
+            allow_partial_restore=args.allow_partial_restore,
+            observers=observers,
+        )
     except KafkaUnavailable as error:
         print(f"streamtrain: {error}", file=sys.stderr)
         return error.exit_code
@@ -86,8 +91,8 @@ def _launch_local_ranks(args: argparse.Namespace) -> int:
     if args.start_at is not None:
         worker_args += ["--start-at", args.start_at]
     launch = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={args.nproc}", "--max-restarts=0", "--module", "streamtrain",
-         *worker_args])
+        ["--standalone", f"--nproc-per-node={args.nproc}", "--max-restarts=0", "--module", "streamtrain", *worker_args]
+    )
     try:
         run(launch)
     except SignalException as stopped:
@@ -96,8 +101,7 @@ def _launch_local_ranks(args: argparse.Namespace) -> int:
         print(f"streamtrain: stopped by {signal.Signals(stopped.sigval).name}", file=sys.stderr)
         return 0 if stopped.sigval in (signal.SIGTERM, signal.SIGINT) else 1
     except Exception as error:  # ChildFailedError: the launcher has already printed which rank failed
-        print(f"streamtrain: a rank failed: {str(error).splitlines()[0] if str(error) else error}",
-              file=sys.stderr)
+        print(f"streamtrain: a rank failed: {str(error).splitlines()[0] if str(error) else error}", file=sys.stderr)
         return 1
     return 0
 
@@ -139,10 +143,19 @@ def _produce(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    produce(args.bootstrap_servers, args.topic, args.count, partitions=args.partitions, partition=args.partition,
-            seed=args.seed,
-            rate=args.rate, schema_path=args.schema, start_time_ms=args.start_time_ms,
-            progress=lambda line: print(line, file=sys.stderr, flush=True), should_stop=stop.is_set)
+    produce(
+        args.bootstrap_servers,
+        args.topic,
+        args.count,
+        partitions=args.partitions,
+        partition=args.partition,
+        seed=args.seed,
+        rate=args.rate,
+        schema_path=args.schema,
+        start_time_ms=args.start_time_ms,
+        progress=lambda line: print(line, file=sys.stderr, flush=True),
+        should_stop=stop.is_set,
+    )
     return 0
 
 
@@ -180,10 +193,15 @@ def _checkpoints(args: argparse.Namespace) -> int:
         print(f"{'snapshot':<24} {'step':>10} {'ranks':>5} {'size':>10}  {'written':<19}  state")
         for s in snapshots:
             meta = s.metadata or {}
-            written = (datetime.datetime.fromtimestamp(meta["wall_time"]).strftime("%Y-%m-%d %H:%M:%S")
-                       if "wall_time" in meta else "-")
-            print(f"{s.path.rstrip('/').rsplit('/', 1)[-1]:<24} {s.step:>10,} {meta.get('world_size', '-'):>5} "
-                  f"{s.bytes / 2**20:>8.1f}Mi  {written:<19}  {'complete' if s.complete else s.problem}")
+            written = (
+                datetime.datetime.fromtimestamp(meta["wall_time"]).strftime("%Y-%m-%d %H:%M:%S")
+                if "wall_time" in meta
+                else "-"
+            )
+            print(
+                f"{s.path.rstrip('/').rsplit('/', 1)[-1]:<24} {s.step:>10,} {meta.get('world_size', '-'):>5} "
+                f"{s.bytes / 2**20:>8.1f}Mi  {written:<19}  {'complete' if s.complete else s.problem}"
+            )
         return 0
     path = args.path
     snapshots = list_snapshots(path) if _step_dir_name(path) is None else [verify_snapshot(path)]
@@ -191,8 +209,18 @@ def _checkpoints(args: argparse.Namespace) -> int:
         print(f"no snapshot at {path}", file=sys.stderr)
         return 1
     snapshot = next((s for s in snapshots if s.complete), snapshots[0])
-    print(json.dumps({"path": snapshot.path, "complete": snapshot.complete, "problem": snapshot.problem,
-                      "bytes": snapshot.bytes, **(snapshot.metadata or {})}, indent=2))
+    print(
+        json.dumps(
+            {
+                "path": snapshot.path,
+                "complete": snapshot.complete,
+                "problem": snapshot.problem,
+                "bytes": snapshot.bytes,
+                **(snapshot.metadata or {}),
+            },
+            indent=2,
+        )
+    )
     return 0 if snapshot.complete else 1
 
 
@@ -208,11 +236,16 @@ class _BenchHelp(argparse.Action):
     def __init__(self, option_strings: list[str], dest: str, help: str | None = None):
         super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, nargs=0, help=help)
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
         from streamtrain.bench import describe
 
-        parser.description += "\n\n" + describe()
+        parser.description = (parser.description or "") + "\n\n" + describe()
         parser.print_help()
         parser.exit()
 
@@ -231,93 +264,139 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     worker = commands.add_parser(
-        "worker", help="consume, decode and train; serve Prometheus metrics",
+        "worker",
+        help="consume, decode and train; serve Prometheus metrics",
         description="Run one training worker. Under torchrun, each rank runs this command. Every config "
-                    "field can be overridden with STREAMTRAIN_<SECTION>__<FIELD> environment variables.")
+        "field can be overridden with STREAMTRAIN_<SECTION>__<FIELD> environment variables.",
+    )
     worker.add_argument("--config", required=True, type=Path, help="the worker's YAML config (see deploy/worker.yaml)")
     bound = worker.add_mutually_exclusive_group()
-    bound.add_argument("--until-end", action="store_true",
-                       help="train up to the end offsets seen at start-up, then exit 0")
+    bound.add_argument(
+        "--until-end", action="store_true", help="train up to the end offsets seen at start-up, then exit 0"
+    )
     bound.add_argument("--max-events", type=int, metavar="N", help="train N events, then exit 0")
-    worker.add_argument("--allow-partial-restore", action="store_true",
-                        help="restore a snapshot written for another feature config: load only the tensors "
-                             "whose names and shapes still match")
-    worker.add_argument("--init-from", metavar="SNAPSHOT_DIR",
-                        help="while checkpoint.path holds no snapshot, take the weights from another run's "
-                             "snapshot (checkpoint.init_from); its Kafka positions are not taken")
-    worker.add_argument("--start-at", metavar="WHEN",
-                        help="where reading starts when no snapshot is restored: earliest, latest, an ISO-8601 time "
-                             "with a timezone, or epoch milliseconds (overrides kafka.start_at)")
-    worker.add_argument("--nproc", type=int, metavar="N",
-                        help="launch N ranks on this host through torch's elastic launcher (as torchrun does)")
+    worker.add_argument(
+        "--allow-partial-restore",
+        action="store_true",
+        help="restore a snapshot written for another feature config: load only the tensors "
+        "whose names and shapes still match",
+    )
+    worker.add_argument(
+        "--init-from",
+        metavar="SNAPSHOT_DIR",
+        help="while checkpoint.path holds no snapshot, take the weights from another run's "
+        "snapshot (checkpoint.init_from); its Kafka positions are not taken",
+    )
+    worker.add_argument(
+        "--start-at",
+        metavar="WHEN",
+        help="where reading starts when no snapshot is restored: earliest, latest, an ISO-8601 time "
+        "with a timezone, or epoch milliseconds (overrides kafka.start_at)",
+    )
+    worker.add_argument(
+        "--nproc",
+        type=int,
+        metavar="N",
+        help="launch N ranks on this host through torch's elastic launcher (as torchrun does)",
+    )
     worker.set_defaults(run=_worker)
 
     plan = commands.add_parser(
-        "plan", help="print the sharding plan for any world size, without training or Kafka",
+        "plan",
+        help="print the sharding plan for any world size, without training or Kafka",
         description="A dry run of TorchRec's EmbeddingShardingPlanner over the configured tables, for capacity "
-                    "planning: how each table is sharded, where, and the embedding memory per rank.")
+        "planning: how each table is sharded, where, and the embedding memory per rank.",
+    )
     plan.add_argument("--config", required=True, type=Path)
     plan.add_argument("--world-size", type=int, default=1)
-    plan.add_argument("--compute-device", choices=["cpu", "cuda"], default="cpu",
-                      help="plan for CPU ranks or GPU ranks (row-wise sharding needs cuda)")
-    plan.add_argument("--hbm-gb", type=_gib, metavar="GIB",
-                      help="GPU memory per rank in GiB (default distributed.hbm_gb, else 32, TorchRec's default)")
-    plan.add_argument("--ddr-gb", type=_gib, metavar="GIB",
-                      help="host memory per rank in GiB (default distributed.ddr_gb, else this host's memory "
-                           "divided by the local world size)")
-    plan.add_argument("--local-world-size", type=_count, metavar="N",
-                      help="ranks per host (default: the world size, all on one host)")
+    plan.add_argument(
+        "--compute-device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="plan for CPU ranks or GPU ranks (row-wise sharding needs cuda)",
+    )
+    plan.add_argument(
+        "--hbm-gb",
+        type=_gib,
+        metavar="GIB",
+        help="GPU memory per rank in GiB (default distributed.hbm_gb, else 32, TorchRec's default)",
+    )
+    plan.add_argument(
+        "--ddr-gb",
+        type=_gib,
+        metavar="GIB",
+        help="host memory per rank in GiB (default distributed.ddr_gb, else this host's memory "
+        "divided by the local world size)",
+    )
+    plan.add_argument(
+        "--local-world-size", type=_count, metavar="N", help="ranks per host (default: the world size, all on one host)"
+    )
     plan.add_argument("--json", type=Path, help="also write the plan as JSON here")
     plan.set_defaults(run=_plan)
 
     produce = commands.add_parser(
-        "produce", help="write a synthetic click stream with a planted signal to a topic",
+        "produce",
+        help="write a synthetic click stream with a planted signal to a topic",
         description="Write synthetic Taobao-like click events (schemaless Avro) whose labels follow a hidden "
-                    "logistic model, then print the stream's Bayes-optimal AUC.")
+        "logistic model, then print the stream's Bayes-optimal AUC.",
+    )
     produce.add_argument("--bootstrap-servers", default="127.0.0.1:9092")
     produce.add_argument("--topic", default="clicks")
     produce.add_argument("--count", type=int, default=100_000, help="events to write (default 100,000)")
     produce.add_argument("--rate", type=float, default=None, help="events per second (default: as fast as possible)")
     produce.add_argument("--partitions", type=int, default=4, help="partitions, if the topic is created (default 4)")
-    produce.add_argument("--partition", type=int, default=None,
-                         help="write every event to this partition (a skewed stream); default: by user id")
+    produce.add_argument(
+        "--partition",
+        type=int,
+        default=None,
+        help="write every event to this partition (a skewed stream); default: by user id",
+    )
     produce.add_argument("--seed", type=int, default=0, help="the same seed writes the same events")
     produce.add_argument("--start-time-ms", type=int, default=None, help="event time of the first event (default: now)")
     produce.add_argument("--schema", type=Path, default=DEFAULT_SCHEMA)
     produce.set_defaults(run=_produce)
 
     dev_kafka = commands.add_parser(
-        "dev-kafka", help="run a local single-node Apache Kafka broker (KRaft) until Ctrl-C",
-        description="Start a throwaway Kafka broker from the jars `make setup` fetched, on 127.0.0.1.")
+        "dev-kafka",
+        help="run a local single-node Apache Kafka broker (KRaft) until Ctrl-C",
+        description="Start a throwaway Kafka broker from the jars `make setup` fetched, on 127.0.0.1.",
+    )
     dev_kafka.add_argument("--port", type=int, default=9092)
     dev_kafka.add_argument("--topic", action="append", default=[], help="create this topic (repeatable)")
     dev_kafka.add_argument("--partitions", type=int, default=4)
     dev_kafka.set_defaults(run=_dev_kafka)
 
     checkpoints = commands.add_parser(
-        "checkpoints", help="list or inspect snapshots: step, positions, sizes, completeness",
+        "checkpoints",
+        help="list or inspect snapshots: step, positions, sizes, completeness",
         description="`list ROOT` shows every snapshot under a checkpoint.path; `inspect PATH` shows one snapshot "
-                    "(or the newest complete one under ROOT): its Kafka positions, trained-event counts per "
-                    "partition, world size, versions and config fingerprint. Exit 1 if it is incomplete.")
+        "(or the newest complete one under ROOT): its Kafka positions, trained-event counts per "
+        "partition, world size, versions and config fingerprint. Exit 1 if it is incomplete.",
+    )
     checkpoints.add_argument("action", choices=["list", "inspect"])
     checkpoints.add_argument("path", type=str)
     checkpoints.set_defaults(run=_checkpoints)
 
     bench = commands.add_parser(
-        "bench", help="benchmarks that run a contender beside its baseline and print the ratio",
-        formatter_class=argparse.RawDescriptionHelpFormatter, add_help=False,
+        "bench",
+        help="benchmarks that run a contender beside its baseline and print the ratio",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        add_help=False,
         description="Each benchmark runs a contender and its baseline in one run on the same data, prints a "
-                    "table with their ratio and writes JSON under results/. `streamtrain bench NAME --help` "
-                    "shows a benchmark's options.")
+        "table with their ratio and writes JSON under results/. `streamtrain bench NAME --help` "
+        "shows a benchmark's options.",
+    )
     bench.add_argument("-h", "--help", action=_BenchHelp, help="show this help, with the benchmarks, and exit")
     bench.add_argument("name", metavar="NAME", help="a benchmark, `all` or `report`")
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's options, e.g. --quick")
     bench.set_defaults(run=_bench)
 
     demo = commands.add_parser(
-        "demo", help="local Kafka + synthetic stream + a worker training on it, until Ctrl-C",
+        "demo",
+        help="local Kafka + synthetic stream + a worker training on it, until Ctrl-C",
         description="Start a local broker, create a 4-partition topic, produce a synthetic click stream and "
-                    "train on it, printing throughput and loss; metrics on http://127.0.0.1:PORT/metrics.")
+        "train on it, printing throughput and loss; metrics on http://127.0.0.1:PORT/metrics.",
+    )
     demo.add_argument("--metrics-port", type=int, default=9100)
     demo.add_argument("--rate", type=float, default=20_000, help="events per second produced (default 20,000)")
     demo.set_defaults(run=_demo)

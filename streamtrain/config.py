@@ -48,10 +48,8 @@ class _ClientProperties(_Strict):
     @classmethod
     def _no_inline_secrets(cls, value: dict[str, str]) -> dict[str, str]:
         for key in value:
-            if "password" in key or key.endswith(".key.pem") or "secret" in key or key.endswith("user.info"):
-                raise ValueError(
-                    f"{key!r} is a secret: put it in a file and name it under client_config_files instead"
-                )
+            if "password" in key or "secret" in key or key.endswith((".key.pem", "user.info")):
+                raise ValueError(f"{key!r} is a secret: put it in a file and name it under client_config_files instead")
         return value
 
     def client_properties(self) -> dict[str, Any]:
@@ -130,16 +128,18 @@ def start_position(text: str) -> Literal["earliest", "latest"] | int:
     try:
         moment = datetime.fromisoformat(text)
     except ValueError:
-        raise ValueError(f"{text!r} is not earliest, latest, an ISO-8601 time such as 2026-11-30T12:00:00Z, "
-                         "or epoch milliseconds") from None
+        raise ValueError(
+            f"{text!r} is not earliest, latest, an ISO-8601 time such as 2026-11-30T12:00:00Z, or epoch milliseconds"
+        ) from None
     if moment.tzinfo is None:
         raise ValueError(f"{text!r} has no timezone: add one, e.g. {text}Z for UTC")
     # Whole milliseconds, rounded up (a message at or after the time), without float rounding.
     return -((datetime(1970, 1, 1, tzinfo=UTC) - moment) // timedelta(milliseconds=1))
 
 
-ShardingTypeName = Literal["data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise",
-                           "table_column_wise"]
+ShardingTypeName = Literal[
+    "data_parallel", "table_wise", "row_wise", "column_wise", "table_row_wise", "table_column_wise"
+]
 ComputeKernelName = Literal["dense", "fused", "fused_uvm", "fused_uvm_caching"]
 
 
@@ -168,7 +168,8 @@ class SchemaRegistryConfig(_ClientProperties):
 
     url: str = Field(pattern=r"^(https?|mock)://", description="e.g. https://registry:8081")
     # The registry client takes typed values (max.retries: 3, timeout: 10), unlike librdkafka.
-    client_config: dict[str, str | int | float | bool] = {}
+    # pydantic validates each model's field as that model declares it.
+    client_config: dict[str, str | int | float | bool] = {}  # type: ignore[assignment]
 
     # How long an unreachable registry is retried before the worker stops with an error.
     timeout_seconds: float = Field(default=60.0, gt=0)
@@ -177,8 +178,10 @@ class SchemaRegistryConfig(_ClientProperties):
     @classmethod
     def _no_credentials_in_url(cls, value: str) -> str:
         if "@" in value.split("://", 1)[1].split("/", 1)[0]:
-            raise ValueError("credentials in the URL would reach logs: put user:password in a file and name it "
-                             "under client_config_files as basic.auth.user.info")
+            raise ValueError(
+                "credentials in the URL would reach logs: put user:password in a file and name it "
+                "under client_config_files as basic.auth.user.info"
+            )
         return value
 
 
@@ -201,7 +204,7 @@ class FeaturesConfig(_Strict):
     non_finite_dense: Literal["dead_letter", "clip"] = "dead_letter"
 
     @model_validator(mode="after")
-    def _unique_names(self) -> "FeaturesConfig":
+    def _unique_names(self) -> FeaturesConfig:
         names = [t.name for t in self.tables]
         duplicated = sorted({n for n in names if names.count(n) > 1})
         if duplicated:
@@ -209,13 +212,12 @@ class FeaturesConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _one_writer_schema_source(self) -> "FeaturesConfig":
+    def _one_writer_schema_source(self) -> FeaturesConfig:
         sources = [name for name in ("schema_registry", "writer_schemas_dir") if getattr(self, name) is not None]
         if self.wire_format == "confluent" and len(sources) != 1:
             raise ValueError(
                 "wire_format confluent needs exactly one source of writer schemas: set either "
-                "features.schema_registry.url or features.writer_schemas_dir"
-                + (" (both are set)" if sources else "")
+                "features.schema_registry.url or features.writer_schemas_dir" + (" (both are set)" if sources else "")
             )
         if self.wire_format == "raw" and sources:
             raise ValueError(f"features.{sources[0]} is only read with wire_format: confluent; set that or remove it")
@@ -225,6 +227,8 @@ class FeaturesConfig(_Strict):
         return _resolved(self.schema_path)
 
     def resolved_writer_schemas_dir(self) -> Path:
+        if self.writer_schemas_dir is None:
+            raise ConfigError("features.writer_schemas_dir is not set")
         return _resolved(self.writer_schemas_dir)
 
 
@@ -355,13 +359,13 @@ class WorkerConfig(_Strict):
     dead_letter: DeadLetterConfig = DeadLetterConfig()
 
     @model_validator(mode="after")
-    def _dead_letters_elsewhere(self) -> "WorkerConfig":
+    def _dead_letters_elsewhere(self) -> WorkerConfig:
         if self.dead_letter.enabled and self.dead_letter.resolved_topic(self.kafka.topic) == self.kafka.topic:
             raise ValueError("dead_letter.topic: must not be kafka.topic, or dead letters would be read again")
         return self
 
     @model_validator(mode="after")
-    def _dlrm_shapes(self) -> "WorkerConfig":
+    def _dlrm_shapes(self) -> WorkerConfig:
         dims = {t.embedding_dim for t in self.features.tables}
         if len(dims) > 1:
             raise ValueError(
@@ -380,28 +384,32 @@ def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict
     merged = json.loads(json.dumps(raw, default=str))
     # Only STREAMTRAIN_<SECTION>__<FIELD> names are config; others (STREAMTRAIN_KAFKA_LIBS) are not.
     names = sorted(name for name in environ if name.startswith(ENV_PREFIX) and "__" in name)
-    unknown = [f"  {name}: {problem}" for name in names
-               if (problem := _not_a_field(name[len(ENV_PREFIX):].lower().split("__")))]
+    unknown = [
+        f"  {name}: {problem}"
+        for name in names
+        if (problem := _not_a_field(name[len(ENV_PREFIX) :].lower().split("__")))
+    ]
     if unknown:
         raise ConfigError("invalid worker configuration:\n" + "\n".join(unknown))
     for name in names:
         value = environ[name]
-        path = name[len(ENV_PREFIX):].lower().split("__")
+        path = name[len(ENV_PREFIX) :].lower().split("__")
         node: Any = merged
         for i, key in enumerate(path):
             last = i == len(path) - 1
+            slot: str | int = key
             if isinstance(node, list):
                 if not key.isdigit() or int(key) >= len(node):
                     raise ConfigError(f"{name}: {key!r} is not an index of a list of {len(node)} items")
-                key = int(key)
+                slot = int(key)
             elif not isinstance(node, dict):
                 raise ConfigError(f"{name}: {'.'.join(path[:i])} is not a section")
             if last:
-                node[key] = yaml.safe_load(value) if value else value
+                node[slot] = yaml.safe_load(value) if value else value
             else:
-                if isinstance(node, dict) and key not in node:
-                    node[key] = {}
-                node = node[key]
+                if isinstance(node, dict) and slot not in node:
+                    node[slot] = {}
+                node = node[slot]
     return merged
 
 

@@ -40,6 +40,7 @@ class KafkaUnavailable(RuntimeError):
 class RawEvent:
     """One message as read. Made for every message, so kept cheap: slots, not frozen (a frozen
     dataclass's __init__ costs several times more); treat it as immutable all the same."""
+
     partition: int
     offset: int
     value: bytes | None
@@ -59,10 +60,19 @@ class KafkaSource:
     read up to it, ``exhausted`` turns true. ``max_events`` bounds the total read instead.
     """
 
-    def __init__(self, config: KafkaConfig, rank: int = 0, world_size: int = 1, *, until_end: bool = False,
-                 max_events: int | None = None, start_offsets: dict[int, int] | None = None,
-                 committed: bool = True, metadata_timeout: float = 30.0,
-                 on_error: Callable[[str], None] = lambda code: None):
+    def __init__(
+        self,
+        config: KafkaConfig,
+        rank: int = 0,
+        world_size: int = 1,
+        *,
+        until_end: bool = False,
+        max_events: int | None = None,
+        start_offsets: dict[int, int] | None = None,
+        committed: bool = True,
+        metadata_timeout: float = 30.0,
+        on_error: Callable[[str], None] = lambda code: None,
+    ):
         self.config = config
         self.topic = config.topic
         self.on_error = on_error
@@ -78,12 +88,22 @@ class KafkaSource:
         all_partitions = sorted(topic_meta.partitions)
         self.partitions = [p for p in all_partitions if p % world_size == rank]
         if rank == 0 and len(all_partitions) < world_size:
-            log.warning("%s has %d partitions for %d ranks: ranks %d..%d own none and only take part in "
-                        "the collectives", self.topic, len(all_partitions), world_size, len(all_partitions),
-                        world_size - 1)
+            log.warning(
+                "%s has %d partitions for %d ranks: ranks %d..%d own none and only take part in the collectives",
+                self.topic,
+                len(all_partitions),
+                world_size,
+                len(all_partitions),
+                world_size - 1,
+            )
         elif rank == 0 and len(all_partitions) % world_size:
-            log.warning("%s has %d partitions, not a multiple of %d ranks: some ranks own more partitions "
-                        "than others and will be busier", self.topic, len(all_partitions), world_size)
+            log.warning(
+                "%s has %d partitions, not a multiple of %d ranks: some ranks own more partitions "
+                "than others and will be busier",
+                self.topic,
+                len(all_partitions),
+                world_size,
+            )
         self.next_offset: dict[int, int] = {}
         self.end_offset: dict[int, int] = {}
         position = config.start_position()
@@ -95,12 +115,15 @@ class KafkaSource:
             starts = self._positions_at(position, metadata_timeout)
         elif committed:
             origin = "the group's committed offsets, else the earliest"
-            starts = retry(lambda: self.consumer.committed(
-                [TopicPartition(self.topic, p) for p in self.partitions], timeout=5),
-                Backoff(initial=0.5, maximum=0.5, timeout=metadata_timeout), retry_on=KafkaException,
+            starts = retry(
+                lambda: self.consumer.committed([TopicPartition(self.topic, p) for p in self.partitions], timeout=5),
+                Backoff(initial=0.5, maximum=0.5, timeout=metadata_timeout),
+                retry_on=KafkaException,
                 retriable=_not_ready_yet,
-                on_retry=lambda error, _attempt, _wait: log.info("Kafka is not ready (%s); retrying",
-                                                                 error.args[0].str()))
+                on_retry=lambda error, _attempt, _wait: log.info(
+                    "Kafka is not ready (%s); retrying", error.args[0].str()
+                ),
+            )
         else:
             origin = "the earliest offsets"
             starts = [TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in self.partitions]
@@ -113,13 +136,22 @@ class KafkaSource:
             self.next_offset[tp.partition] = start
             if until_end:
                 _low, self.end_offset[tp.partition] = self.consumer.get_watermark_offsets(
-                    tp, timeout=metadata_timeout, cached=False)
+                    tp, timeout=metadata_timeout, cached=False
+                )
         self.until_end = until_end
         self.max_events = max_events
         self.consumed = 0
         self.consumer.assign(assignment)
-        log.info("rank %d/%d owns partitions %s of %s (of %d); starting at %s (%s)", rank, world_size,
-                 self.partitions, self.topic, len(all_partitions), self.next_offset, origin)
+        log.info(
+            "rank %d/%d owns partitions %s of %s (of %d); starting at %s (%s)",
+            rank,
+            world_size,
+            self.partitions,
+            self.topic,
+            len(all_partitions),
+            self.next_offset,
+            origin,
+        )
 
     def _positions_at(self, position: Literal["earliest", "latest"] | int, timeout: float) -> list[TopicPartition]:
         """Each owned partition's offset for ``kafka.start_at``: its earliest, its end, or its first
@@ -130,33 +162,47 @@ class KafkaSource:
             found = [TopicPartition(self.topic, p, -1) for p in self.partitions]
         elif self.partitions:
             found = self.consumer.offsets_for_times(
-                [TopicPartition(self.topic, p, position) for p in self.partitions], timeout=timeout)
+                [TopicPartition(self.topic, p, position) for p in self.partitions], timeout=timeout
+            )
         else:
             found = []
         for tp in found:
             if tp.error is not None:
                 raise KafkaException(tp.error)
-        return [tp if tp.offset >= 0 else TopicPartition(self.topic, tp.partition, self.consumer.get_watermark_offsets(
-            tp, timeout=timeout, cached=False)[1]) for tp in found]
+        return [
+            tp
+            if tp.offset >= 0
+            else TopicPartition(
+                self.topic, tp.partition, self.consumer.get_watermark_offsets(tp, timeout=timeout, cached=False)[1]
+            )
+            for tp in found
+        ]
 
     def _topic_metadata(self, timeout: float) -> ClusterMetadata:
         """The topic's metadata, asked for during ``timeout`` seconds, and given up at once when the
         brokers refuse the login: librdkafka retries a refused login for ever, and says so only to
         error_cb, which the consumer serves in poll()."""
         try:
-            return retry(lambda: self.consumer.list_topics(self.topic, timeout=1.0),
-                         Backoff(initial=0.1, maximum=0.1, timeout=timeout), retry_on=KafkaException,
-                         retriable=lambda _error: self.login_refused is None,
-                         on_retry=lambda _error, _attempt, _wait: self.consumer.poll(0))
+            return retry(
+                lambda: self.consumer.list_topics(self.topic, timeout=1.0),
+                Backoff(initial=0.1, maximum=0.1, timeout=timeout),
+                retry_on=KafkaException,
+                retriable=lambda _error: self.login_refused is None,
+                on_retry=lambda _error, _attempt, _wait: self.consumer.poll(0),
+            )
         except KafkaException as error:
             self.consumer.close()
             if self.login_refused is not None:
-                raise KafkaUnavailable(f"the Kafka brokers at {self.config.bootstrap_servers} refused the login: "
-                                       f"{self.login_refused}; check kafka.client_config and client_config_files",
-                                       EXIT_LOGIN_REFUSED) from error
-            raise KafkaUnavailable(f"no Kafka broker at {self.config.bootstrap_servers} answered within {timeout:.0f}s "
-                                   f"(kafka.connect_timeout_seconds): {error.args[0].str()}",
-                                   EXIT_UNREACHABLE) from error
+                raise KafkaUnavailable(
+                    f"the Kafka brokers at {self.config.bootstrap_servers} refused the login: "
+                    f"{self.login_refused}; check kafka.client_config and client_config_files",
+                    EXIT_LOGIN_REFUSED,
+                ) from error
+            raise KafkaUnavailable(
+                f"no Kafka broker at {self.config.bootstrap_servers} answered within {timeout:.0f}s "
+                f"(kafka.connect_timeout_seconds): {error.args[0].str()}",
+                EXIT_UNREACHABLE,
+            ) from error
 
     def _client_error(self, error: KafkaError) -> None:
         self.on_error(error.name())
@@ -170,8 +216,9 @@ class KafkaSource:
         """Whether a broker answers a request now. Returned messages prove nothing: librdkafka hands
         out what it fetched before the brokers went down after reporting them down."""
         try:
-            self.consumer.get_watermark_offsets(TopicPartition(self.topic, self.partitions[0]), timeout=1.0,
-                                                cached=False)
+            self.consumer.get_watermark_offsets(
+                TopicPartition(self.topic, self.partitions[0]), timeout=1.0, cached=False
+            )
             return True
         except KafkaException:
             return False
@@ -238,14 +285,16 @@ class KafkaSource:
         """Record trained positions in the consumer group, for lag dashboards; never blocks."""
         if next_offsets:
             self.consumer.commit(
-                offsets=[TopicPartition(self.topic, p, o) for p, o in next_offsets.items()], asynchronous=True)
+                offsets=[TopicPartition(self.topic, p, o) for p, o in next_offsets.items()], asynchronous=True
+            )
 
     def close(self) -> None:
         self.consumer.close()
 
 
-def consumer_properties(config: KafkaConfig, *, until_end: bool,
-                        error_cb: Callable[[KafkaError], None]) -> dict[str, Any]:
+def consumer_properties(
+    config: KafkaConfig, *, until_end: bool, error_cb: Callable[[KafkaError], None]
+) -> dict[str, Any]:
     """The consumer's librdkafka properties, secrets included; never log the result.
 
     Defaults first, then ``kafka.client_config``, which may change them (an IPv6-only cluster needs
@@ -269,6 +318,13 @@ def _not_ready_yet(error: KafkaException) -> bool:
     """Whether Kafka answered with an error that passes on a retry, e.g. the group coordinator is
     still loading."""
     kafka_error = error.args[0] if error.args else None
-    return isinstance(kafka_error, KafkaError) and (kafka_error.retriable() or kafka_error.code() in (
-        KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
-        KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError._TIMED_OUT))
+    return isinstance(kafka_error, KafkaError) and (
+        kafka_error.retriable()
+        or kafka_error.code()
+        in (
+            KafkaError.NOT_COORDINATOR,
+            KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+            KafkaError.COORDINATOR_NOT_AVAILABLE,
+            KafkaError._TIMED_OUT,
+        )
+    )

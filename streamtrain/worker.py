@@ -28,6 +28,7 @@ from streamtrain.train import StepResult, Trainer, describe_plan, gloo_group, in
 
 log = logging.getLogger(__name__)
 
+
 class StepObserver(Protocol):
     """Something the worker is handed that watches every step that trained events, e.g. a
     benchmark's run record."""
@@ -44,8 +45,15 @@ class _Progress:
     """Exports each step's figures; a reporter thread prints a summary line every ``interval`` seconds,
     idle or not, so the gauges and the log stay current while the stream is quiet."""
 
-    def __init__(self, metrics: WorkerMetrics, rank: int, topic: str, interval: float,
-                 queue_depth: Callable[[], int], observers: Sequence[StepObserver]):
+    def __init__(
+        self,
+        metrics: WorkerMetrics,
+        rank: int,
+        topic: str,
+        interval: float,
+        queue_depth: Callable[[], int],
+        observers: Sequence[StepObserver],
+    ):
         self.metrics = metrics
         self.rank = rank
         self.topic = topic
@@ -138,14 +146,28 @@ class _Progress:
             for name, value in values.items():
                 if math.isfinite(value):  # a rank that has seen no clicks yet has no figures yet
                     self.metrics.quality_gauges[name].labels("clk", window).set(value)
-        log.info("rank %d step %d | trained %s events | %s events/s | loss %s | progressive AUC %.4f | queue %d",
-                 self.rank, self.step, f"{trained:,}", f"{rate:,.0f}", loss, auc, self.queue_depth())
+        log.info(
+            "rank %d step %d | trained %s events | %s events/s | loss %s | progressive AUC %.4f | queue %d",
+            self.rank,
+            self.step,
+            f"{trained:,}",
+            f"{rate:,.0f}",
+            loss,
+            auc,
+            self.queue_depth(),
+        )
         self.last_time, self.last_trained, self.last_loss_sum = now, trained, loss_sum
         self.last_loss_events = loss_events
 
 
-def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int | None = None,
-               allow_partial_restore: bool = False, observers: Sequence[StepObserver] = ()) -> int:
+def run_worker(
+    config: WorkerConfig,
+    *,
+    until_end: bool = False,
+    max_events: int | None = None,
+    allow_partial_restore: bool = False,
+    observers: Sequence[StepObserver] = (),
+) -> int:
     """Train until the end offsets (``until_end``), ``max_events``, or SIGTERM/SIGINT; returns the exit code.
 
     Under torchrun every rank runs this; the ranks step in lockstep (see ``Lockstep``). Each of
@@ -155,8 +177,7 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
     metrics = WorkerMetrics(config.metrics.auc_window)
     metrics.info.info({"rank": str(env.rank), "world_size": str(env.world_size), "topic": config.kafka.topic})
     health = Health(config.metrics.stall_seconds)
-    port = metrics.serve(config.metrics.host, config.metrics.port and config.metrics.port + env.local_rank,
-                         health)
+    port = metrics.serve(config.metrics.host, config.metrics.port and config.metrics.port + env.local_rank, health)
     log.info("rank %d/%d: metrics on http://%s:%d/metrics", env.rank, env.world_size, config.metrics.host, port)
 
     trainer = Trainer(config, env)
@@ -172,42 +193,63 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
 
     checkpointer, restored = None, None
     if config.checkpoint.path:
-        checkpointer = Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, env.rank,
-                                    env.world_size, own_group(), metrics)
+        checkpointer = Checkpointer(
+            config.checkpoint, config, trainer.model, trainer.optimizer, env.rank, env.world_size, own_group(), metrics
+        )
         restored = checkpointer.restore(allow_partial_restore)
         if restored is None and config.checkpoint.init_from:
-            checkpointer.warm_start(config.checkpoint.init_from, config.checkpoint.init_optimizer,
-                                    allow_partial_restore)
+            checkpointer.warm_start(
+                config.checkpoint.init_from, config.checkpoint.init_optimizer, allow_partial_restore
+            )
         elif restored is None:
             log.info("no snapshot under %s: starting from the earliest offsets", config.checkpoint.path)
         elif config.checkpoint.init_from:
-            log.info("checkpoint.path has snapshots of its own: checkpoint.init_from %s is ignored",
-                     config.checkpoint.init_from)
-    source = KafkaSource(config.kafka, env.rank, env.world_size, until_end=until_end, max_events=max_events,
-                         start_offsets=restored.next_offsets if restored else None, committed=checkpointer is None,
-                         metadata_timeout=config.kafka.connect_timeout_seconds,
-                         on_error=lambda code: metrics.kafka_errors.labels(code).inc())
+            log.info(
+                "checkpoint.path has snapshots of its own: checkpoint.init_from %s is ignored",
+                config.checkpoint.init_from,
+            )
+    source = KafkaSource(
+        config.kafka,
+        env.rank,
+        env.world_size,
+        until_end=until_end,
+        max_events=max_events,
+        start_offsets=restored.next_offsets if restored else None,
+        committed=checkpointer is None,
+        metadata_timeout=config.kafka.connect_timeout_seconds,
+        on_error=lambda code: metrics.kafka_errors.labels(code).inc(),
+    )
     health.ready = True  # the state is restored and the broker answered the source's metadata request
     health.not_ready_reason = "the Kafka brokers are down"
     decoder = AvroBatchDecoder(config.features, schema_source(config.features))
     rejections = Rejections(config.dead_letter, config.kafka, metrics, env.rank)
     # A rank blocked on a dead-letter write serves no consumer callbacks: its producer speaks for it.
     health.readiness = lambda: not (source.brokers_down or (rejections.writer and rejections.writer.brokers_down))
-    prefetcher = Prefetcher(source, decoder, config.batching, metrics, rejections, config.metrics.lag_refresh_seconds,
-                            device=env.device)
-    snapshots = SnapshotSchedule(config, checkpointer, restored, source.next_offset, source.partitions,
-                                 commit=prefetcher.commits.offer)
+    prefetcher = Prefetcher(
+        source, decoder, config.batching, metrics, rejections, config.metrics.lag_refresh_seconds, device=env.device
+    )
+    snapshots = SnapshotSchedule(
+        config, checkpointer, restored, source.next_offset, source.partitions, commit=prefetcher.commits.offer
+    )
     if checkpointer and restored is None and config.checkpoint.init_from:
         # The warm start becomes this run's step 0: a restart before the first snapshot resumes
         # from it, not from init_from, which may have moved on meanwhile.
         checkpointer.save(snapshots.state.copy())
-    steps = Lockstep(prefetcher, lambda: prefetcher.prepare(decoder.decode([]).batch), env.world_size, own_group(),
-                     flush_after_seconds=config.batching.max_batch_wait_ms / 1000, questions=snapshots.questions(),
-                     heartbeat=health.beat, max_events=max_events)
+    steps = Lockstep(
+        prefetcher,
+        lambda: prefetcher.prepare(decoder.decode([]).batch),
+        env.world_size,
+        own_group(),
+        flush_after_seconds=config.batching.max_batch_wait_ms / 1000,
+        questions=snapshots.questions(),
+        heartbeat=health.beat,
+        max_events=max_events,
+    )
     shutdown = _Shutdown(config.distributed.shutdown_grace_seconds)
     _stop_on_signals(prefetcher, snapshots.request, shutdown)
-    progress = _Progress(metrics, env.rank, source.topic, config.metrics.log_interval_seconds,
-                         prefetcher.queue.qsize, observers)
+    progress = _Progress(
+        metrics, env.rank, source.topic, config.metrics.log_interval_seconds, prefetcher.queue.qsize, observers
+    )
     exit_code = 0
     prefetcher.start()
     try:
@@ -224,8 +266,12 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
     except RuntimeError as error:
         if not _is_collective_failure(error):
             raise
-        log.error("rank %d: a peer rank failed or stopped answering within %.0fs; giving up: %s", env.rank,
-                  config.distributed.timeout_seconds, str(error).splitlines()[0] if str(error) else error)
+        log.error(
+            "rank %d: a peer rank failed or stopped answering within %.0fs; giving up: %s",
+            env.rank,
+            config.distributed.timeout_seconds,
+            str(error).splitlines()[0] if str(error) else error,
+        )
         exit_code = 1
     finally:
         shutdown.begin()  # a signal began it already; else the end of the stream, max_events or a peer's stop
@@ -238,8 +284,13 @@ def run_worker(config: WorkerConfig, *, until_end: bool = False, max_events: int
             source.close()
             metrics.close()
             shutdown.end()
-    log.info("rank %d stopped after %d steps, %s; positions %s", env.rank, trainer.step, progress.summary(),
-             dict(sorted(snapshots.state.next_offsets.items())))
+    log.info(
+        "rank %d stopped after %d steps, %s; positions %s",
+        env.rank,
+        trainer.step,
+        progress.summary(),
+        dict(sorted(snapshots.state.next_offsets.items())),
+    )
     for observer in observers:
         observer.close()
     return exit_code
@@ -314,7 +365,8 @@ def _stop_on_signals(prefetcher: Prefetcher, request_snapshot: Callable[[], None
 
 
 def _give_up(grace: float) -> None:
-    log.error("shutdown did not finish within %gs (distributed.shutdown_grace_seconds); exiting without a "
-              "clean close", grace)
+    log.error(
+        "shutdown did not finish within %gs (distributed.shutdown_grace_seconds); exiting without a clean close", grace
+    )
     logging.shutdown()
     os._exit(3)

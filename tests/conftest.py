@@ -34,8 +34,7 @@ def kafka():
 def end_offsets(kafka: KafkaBroker, topic: str, partitions: int = 4) -> dict[int, int]:
     consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": "inspector"})
     try:
-        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
-                for p in range(partitions)}
+        return {p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)}
     finally:
         consumer.close()
 
@@ -43,8 +42,10 @@ def end_offsets(kafka: KafkaBroker, topic: str, partitions: int = 4) -> dict[int
 def committed_offsets(kafka: KafkaBroker, topic: str, group: str, partitions: int = 4) -> dict[int, int]:
     consumer = Consumer({"bootstrap.servers": kafka.bootstrap_servers, "group.id": group})
     try:
-        return {tp.partition: tp.offset for tp in consumer.committed(
-            [TopicPartition(topic, p) for p in range(partitions)], timeout=10)}
+        return {
+            tp.partition: tp.offset
+            for tp in consumer.committed([TopicPartition(topic, p) for p in range(partitions)], timeout=10)
+        }
     finally:
         consumer.close()
 
@@ -68,8 +69,16 @@ class WorkerProcess:
     """``python -m streamtrain worker`` in a subprocess, its metrics on a known port. ``launcher``
     goes between the interpreter and ``-m streamtrain``, e.g. ``["-m", "torch.distributed.run", ...]``."""
 
-    def __init__(self, kafka: KafkaBroker, topic: str, *args: str, config: Path = SMALL_CONFIG,
-                 env: dict[str, str] | None = None, local_rank: int = 0, launcher: Sequence[str] = ()):
+    def __init__(
+        self,
+        kafka: KafkaBroker,
+        topic: str,
+        *args: str,
+        config: Path = SMALL_CONFIG,
+        env: dict[str, str] | None = None,
+        local_rank: int = 0,
+        launcher: Sequence[str] = (),
+    ):
         self.metrics_port = free_port()
         self.log_path = Path(f"/tmp/streamtrain-test-{topic}-{self.metrics_port}.log")
         environ = {
@@ -82,10 +91,14 @@ class WorkerProcess:
             "STREAMTRAIN_METRICS__PORT": str(self.metrics_port - local_rank),
             **(env or {}),
         }
-        self.log = open(self.log_path, "wb")
+        self.log = open(self.log_path, "wb")  # noqa: SIM115 - the worker writes it until it is killed
         self.process = subprocess.Popen(
             [sys.executable, *launcher, "-m", "streamtrain", "worker", "--config", str(config), *args],
-            cwd=REPO, env=environ, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=REPO,
+            env=environ,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
     def output(self) -> str:
@@ -107,15 +120,21 @@ class WorkerProcess:
             if value:
                 return value
             if self.process.poll() is not None:
-                pytest.fail(f"worker exited with {self.process.returncode} while waiting for {what}:\n{self.output()[-4000:]}")
+                pytest.fail(
+                    f"worker exited with {self.process.returncode} while waiting for {what}:\n{self.output()[-4000:]}"
+                )
             time.sleep(0.25)
         pytest.fail(f"timed out after {timeout}s waiting for {what}:\n{self.output()[-4000:]}\n{self.stacks()}")
 
     def stacks(self) -> str:
         """The worker's Python stacks, when py-spy is installed: what a hang was waiting for."""
         try:
-            return subprocess.run(["py-spy", "dump", "--native", "--pid", str(self.process.pid)], capture_output=True,
-                                  text=True, timeout=30).stdout
+            return subprocess.run(
+                ["py-spy", "dump", "--native", "--pid", str(self.process.pid)],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
@@ -159,18 +178,27 @@ def start_worker(request):
 def start_ranks(start_worker):
     """``world_size`` worker processes joined as torchrun would join them (RANK, WORLD_SIZE, MASTER_*)."""
 
-    def start(topic: str, world_size: int, *args: str, env: dict[str, str] | None = None,
-              broker: KafkaBroker | None = None) -> list[WorkerProcess]:
+    def start(
+        topic: str, world_size: int, *args: str, env: dict[str, str] | None = None, broker: KafkaBroker | None = None
+    ) -> list[WorkerProcess]:
         master_port = str(free_port())
         return [
-            start_worker(topic, *args, broker=broker, local_rank=rank, env={
-                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": master_port, "RANK": str(rank),
-                "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                **(env or {}),
-            })
+            start_worker(
+                topic,
+                *args,
+                broker=broker,
+                local_rank=rank,
+                env={
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": master_port,
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(world_size),
+                    "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(world_size),
+                    **(env or {}),
+                },
+            )
             for rank in range(world_size)
         ]
 
     return start
-
-

@@ -31,8 +31,8 @@ from streamtrain.checkpoint import (
     list_snapshots,
 )
 from streamtrain.config import parse_config
-from streamtrain.metrics import WorkerMetrics
 from streamtrain.dev.produce import produce
+from streamtrain.metrics import WorkerMetrics
 from streamtrain.train import Trainer, init_distributed
 from test_checkpoint import batches, final_stream, weights  # noqa: F401 (batches: a fixture)
 from test_worker_kafka import end_offsets

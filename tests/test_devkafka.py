@@ -26,7 +26,7 @@ def alive(pid: int) -> bool:
 def test_close_leaves_no_jvm_behind():
     broker = KafkaBroker()
     broker.start()
-    pid = broker._process.pid
+    pid = broker.pid
     assert broker.bootstrap_servers.startswith("127.0.0.1:")
     broker.close()
     assert not alive(pid)
@@ -39,7 +39,7 @@ def test_the_jvm_dies_with_a_killed_parent():
             sys.executable,
             "-c",
             "from streamtrain.dev.kafka import KafkaBroker; import time; b = KafkaBroker(); b.start(); "
-            "print(b._process.pid, flush=True); time.sleep(600)",
+            "print(b.pid, flush=True); time.sleep(600)",
         ],
         stdout=subprocess.PIPE,
         text=True,

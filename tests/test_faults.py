@@ -18,8 +18,8 @@ import pytest
 
 from conftest import REPO, SCHEMA
 from streamtrain.deadletter import HEADER_OFFSET, HEADER_PARTITION
-from streamtrain.devkafka import KafkaBroker
-from streamtrain.produce import produce
+from streamtrain.dev.kafka import KafkaBroker
+from streamtrain.dev.produce import produce
 from test_checkpoint import final_stream
 from test_deadletter import Sent, read_all, send
 from test_distributed import trained_by_partition

@@ -12,8 +12,8 @@ import uuid
 import pytest
 
 from conftest import SCHEMA
-from streamtrain.devkafka import free_port
-from streamtrain.produce import produce
+from streamtrain.dev.kafka import free_port
+from streamtrain.dev.produce import produce
 from test_checkpoint import final_stream
 from test_worker_kafka import committed_offsets, end_offsets
 

@@ -13,8 +13,8 @@ import yaml
 from confluent_kafka import Producer
 
 from conftest import SCHEMA, SMALL_CONFIG
-from streamtrain.devkafka import KafkaBroker
-from streamtrain.produce import produce
+from streamtrain.dev.kafka import KafkaBroker
+from streamtrain.dev.produce import produce
 
 pytestmark = pytest.mark.integration
 

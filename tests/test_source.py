@@ -14,8 +14,8 @@ from conftest import SCHEMA
 from streamtrain.config import DeadLetterConfig, KafkaConfig
 from streamtrain.deadletter import DeadLetterWriter
 from streamtrain.dev.kafka import free_port
-from streamtrain.metrics import WorkerMetrics
 from streamtrain.dev.produce import produce
+from streamtrain.metrics import WorkerMetrics
 from streamtrain.source import KAFKA_LOG, KafkaSource, consumer_properties
 
 

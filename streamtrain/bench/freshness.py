@@ -93,7 +93,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
                         seconds,
                         warm_up,
                         pool,
-                        broker._process.pid,
+                        broker.pid,
                     ),
                 }
             )

@@ -60,8 +60,13 @@ def _die_with_parent() -> None:
 class KafkaBroker:
     """``with KafkaBroker() as broker: broker.bootstrap_servers`` -> '127.0.0.1:<port>'."""
 
-    def __init__(self, libs: Path | None = None, port: int | None = None, start_timeout: float = 90.0,
-                 sasl: tuple[str, str] | None = None):
+    def __init__(
+        self,
+        libs: Path | None = None,
+        port: int | None = None,
+        start_timeout: float = 90.0,
+        sasl: tuple[str, str] | None = None,
+    ):
         self.libs = Path(libs or os.environ.get("STREAMTRAIN_KAFKA_LIBS") or DEFAULT_LIBS)
         self.port = port or free_port()
         self.controller_port = free_port()
@@ -81,10 +86,14 @@ class KafkaBroker:
         if self.sasl is None:
             return {}
         user, password = self.sasl
-        return {"security.protocol": "SASL_PLAINTEXT", "sasl.mechanism": "SCRAM-SHA-512", "sasl.username": user,
-                "sasl.password": password}
+        return {
+            "security.protocol": "SASL_PLAINTEXT",
+            "sasl.mechanism": "SCRAM-SHA-512",
+            "sasl.username": user,
+            "sasl.password": password,
+        }
 
-    def __enter__(self) -> "KafkaBroker":
+    def __enter__(self) -> KafkaBroker:
         self.start()
         return self
 
@@ -93,9 +102,16 @@ class KafkaBroker:
 
     def _java(self, main_class: str, *args: str) -> list[str]:
         return [
-            "java", "-Xms256m", "-Xmx512m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1",
+            "java",
+            "-Xms256m",
+            "-Xmx512m",
+            "-XX:+UseSerialGC",
+            "-XX:TieredStopAtLevel=1",
             f"-Dlog4j2.configurationFile={self.workdir / 'log4j2.properties'}",
-            "-cp", f"{self.libs}/*", main_class, *args,
+            "-cp",
+            f"{self.libs}/*",
+            main_class,
+            *args,
         ]
 
     def start(self) -> None:
@@ -103,43 +119,51 @@ class KafkaBroker:
             raise BrokerError(
                 f"no Kafka jars in {self.libs}: in a checkout, run `make setup` (it fetches them with mvn); "
                 f"elsewhere, set STREAMTRAIN_KAFKA_LIBS to a folder holding Kafka {KAFKA_VERSION}'s broker jars "
-                f"(`mvn -f deploy/kafka/pom.xml package -Dlibs.dir=FOLDER` fetches them there)")
+                f"(`mvn -f deploy/kafka/pom.xml package -Dlibs.dir=FOLDER` fetches them there)"
+            )
         (self.workdir / "log4j2.properties").write_text(_LOG4J2.format(log=self.log_path))
         properties = self.workdir / "server.properties"
         # The listener is named after its protocol; the controller's stays PLAINTEXT.
         listener = "PLAINTEXT" if self.sasl is None else "SASL_PLAINTEXT"
-        properties.write_text("\n".join([
-            "process.roles=broker,controller",
-            "node.id=1",
-            f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
-            f"listeners={listener}://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
-            f"advertised.listeners={listener}://127.0.0.1:{self.port}",
-            "controller.listener.names=CONTROLLER",
-            f"inter.broker.listener.name={listener}",
-            f"listener.security.protocol.map=CONTROLLER:PLAINTEXT,{listener}:{listener}",
-            *self._sasl_properties(),
-            f"log.dirs={self.workdir / 'data'}",
-            "num.partitions=1",
-            "offsets.topic.replication.factor=1",
-            "offsets.topic.num.partitions=1",
-            "transaction.state.log.replication.factor=1",
-            "transaction.state.log.min.isr=1",
-            "share.coordinator.state.topic.replication.factor=1",
-            "share.coordinator.state.topic.min.isr=1",
-            "group.initial.rebalance.delay.ms=0",
-            "group.min.session.timeout.ms=1000",
-            "log.cleaner.dedupe.buffer.size=8388608",
-            "auto.create.topics.enable=false",
-            "",
-        ]))
+        properties.write_text(
+            "\n".join(
+                [
+                    "process.roles=broker,controller",
+                    "node.id=1",
+                    f"controller.quorum.voters=1@127.0.0.1:{self.controller_port}",
+                    f"listeners={listener}://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
+                    f"advertised.listeners={listener}://127.0.0.1:{self.port}",
+                    "controller.listener.names=CONTROLLER",
+                    f"inter.broker.listener.name={listener}",
+                    f"listener.security.protocol.map=CONTROLLER:PLAINTEXT,{listener}:{listener}",
+                    *self._sasl_properties(),
+                    f"log.dirs={self.workdir / 'data'}",
+                    "num.partitions=1",
+                    "offsets.topic.replication.factor=1",
+                    "offsets.topic.num.partitions=1",
+                    "transaction.state.log.replication.factor=1",
+                    "transaction.state.log.min.isr=1",
+                    "share.coordinator.state.topic.replication.factor=1",
+                    "share.coordinator.state.topic.min.isr=1",
+                    "group.initial.rebalance.delay.ms=0",
+                    "group.min.session.timeout.ms=1000",
+                    "log.cleaner.dedupe.buffer.size=8388608",
+                    "auto.create.topics.enable=false",
+                    "",
+                ]
+            )
+        )
         # The cluster id is 16 random bytes, URL-safe base64 without padding, not starting with '-'.
         cluster_id = "A" + base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")[1:]
         # In KRaft, SCRAM users are written into the metadata log when the storage is formatted.
-        scram = [] if self.sasl is None else [
-            "--add-scram", f"SCRAM-SHA-512=[name={self.sasl[0]},password={self.sasl[1]}]"]
+        scram = (
+            [] if self.sasl is None else ["--add-scram", f"SCRAM-SHA-512=[name={self.sasl[0]},password={self.sasl[1]}]"]
+        )
         formatted = subprocess.run(
             self._java("kafka.tools.StorageTool", "format", "-t", cluster_id, "-c", str(properties), "-g", *scram),
-            capture_output=True, text=True, timeout=120,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         if formatted.returncode != 0:
             raise BrokerError(f"formatting Kafka storage failed:\n{formatted.stdout}\n{formatted.stderr}")
@@ -163,8 +187,11 @@ class KafkaBroker:
         with open(self.workdir / "stdout.log", "ab") as stdout:  # appended: a restart keeps the crash's output
             self._process = subprocess.Popen(
                 self._java("kafka.Kafka", str(self.workdir / "server.properties")),
-                stdout=stdout, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent, start_new_session=True,
+                stdout=stdout,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
+                start_new_session=True,
             )
         self._wait_until_ready()
 
@@ -182,13 +209,21 @@ class KafkaBroker:
 
     def _wait_until_ready(self) -> None:
         # Connection refusals are expected until the listener is up; keep them out of the output.
-        admin = AdminClient({"bootstrap.servers": self.bootstrap_servers, "broker.address.family": "v4",
-                             "log_level": 0, **self.client_config})
+        admin = AdminClient(
+            {
+                "bootstrap.servers": self.bootstrap_servers,
+                "broker.address.family": "v4",
+                "log_level": 0,
+                **self.client_config,
+            }
+        )
         deadline = time.monotonic() + self.start_timeout
         last_error: Exception | None = None
+        process = self._process
+        assert process is not None, "a broker is waited for once launched"
         while time.monotonic() < deadline:
-            if self._process.poll() is not None:
-                raise BrokerError(f"the Kafka broker exited with {self._process.returncode}:\n{self.log_tail()}")
+            if process.poll() is not None:
+                raise BrokerError(f"the Kafka broker exited with {process.returncode}:\n{self.log_tail()}")
             try:
                 admin.list_topics(timeout=2)
                 return
@@ -207,6 +242,13 @@ class KafkaBroker:
                 text += "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) + "\n"
         return text
 
+    @property
+    def pid(self) -> int:
+        """The broker JVM's process id (also its process group's), while it runs."""
+        if self._process is None:
+            raise BrokerError("the broker is not running")
+        return self._process.pid
+
     def create_topic(self, topic: str, partitions: int, timeout: float = 30.0) -> None:
         create_topic(self.bootstrap_servers, topic, partitions, timeout, self.client_config)
 
@@ -223,14 +265,23 @@ class KafkaBroker:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-def create_topic(bootstrap_servers: str, topic: str, partitions: int, timeout: float = 30.0,
-                 client_config: dict[str, str] | None = None) -> bool:
+def create_topic(
+    bootstrap_servers: str,
+    topic: str,
+    partitions: int,
+    timeout: float = 30.0,
+    client_config: dict[str, str] | None = None,
+) -> bool:
     """Create ``topic`` with ``partitions`` partitions; False if it already existed. ``client_config``:
     further librdkafka properties, e.g. a SASL login."""
-    admin = AdminClient({"bootstrap.servers": bootstrap_servers, "broker.address.family": "v4", "log_level": 4,
-                         **(client_config or {})})
-    future = admin.create_topics([NewTopic(topic, num_partitions=partitions, replication_factor=-1)],
-                                 operation_timeout=timeout, request_timeout=timeout)[topic]
+    admin = AdminClient(
+        {"bootstrap.servers": bootstrap_servers, "broker.address.family": "v4", "log_level": 4, **(client_config or {})}
+    )
+    future = admin.create_topics(
+        [NewTopic(topic, num_partitions=partitions, replication_factor=-1)],
+        operation_timeout=timeout,
+        request_timeout=timeout,
+    )[topic]
     try:
         future.result(timeout=timeout)
         return True

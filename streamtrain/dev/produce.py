@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import io
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import fastavro
 import numpy as np
@@ -103,8 +103,7 @@ class ClickStream:
         starts = np.concatenate([[0], np.cumsum(n_recent)[:-1]])
         recent_flat[starts[planted]] = cate[planted]
         recent_match = np.zeros(size, dtype=bool)
-        np.logical_or.at(recent_match, np.repeat(np.arange(size), n_recent),
-                         recent_flat == np.repeat(cate, n_recent))
+        np.logical_or.at(recent_match, np.repeat(np.arange(size), n_recent), recent_flat == np.repeat(cate, n_recent))
         profile = {name: values[users] for name, values in self.user_profile.items()}
         logit = (
             self.bias
@@ -130,21 +129,23 @@ class ClickStream:
         brand = self.ad_brand[ads]
         records = []
         for i in range(size):
-            records.append({
-                "event_time": int(event_time[i]),
-                "user_id": int(users[i]),
-                "adgroup_id": int(ads[i]),
-                "cate_id": int(cate[i]),
-                "campaign_id": int(self.ad_campaign[ads[i]]),
-                "customer": int(self.ad_customer[ads[i]]),
-                "brand": None if brand[i] < 0 else int(brand[i]),
-                **{name: int(values[i]) for name, values in profile.items()},
-                "pid": PIDS[pid_index[i]],
-                "recent_cate_ids": recent[i].tolist(),
-                "price": float(price[i]),
-                "clk": int(clk[i]),
-                "buy": int(buy[i]),
-            })
+            records.append(
+                {
+                    "event_time": int(event_time[i]),
+                    "user_id": int(users[i]),
+                    "adgroup_id": int(ads[i]),
+                    "cate_id": int(cate[i]),
+                    "campaign_id": int(self.ad_campaign[ads[i]]),
+                    "customer": int(self.ad_customer[ads[i]]),
+                    "brand": None if brand[i] < 0 else int(brand[i]),
+                    **{name: int(values[i]) for name, values in profile.items()},
+                    "pid": PIDS[pid_index[i]],
+                    "recent_cate_ids": recent[i].tolist(),
+                    "price": float(price[i]),
+                    "clk": int(clk[i]),
+                    "buy": int(buy[i]),
+                }
+            )
         keys = [b"%d" % u for u in users]
         return EventChunk(records, p_click, keys)
 
@@ -161,8 +162,9 @@ class AvroEncoder:
         return out.getvalue()
 
 
-def encoded_events(stream: ClickStream, encoder: AvroEncoder, count: int,
-                   chunk_size: int = 4096) -> Iterator[tuple[bytes, bytes, float, int]]:
+def encoded_events(
+    stream: ClickStream, encoder: AvroEncoder, count: int, chunk_size: int = 4096
+) -> Iterator[tuple[bytes, bytes, float, int]]:
     """(key, value, true click probability, clk) for ``count`` events.
 
     Chunks are always ``chunk_size`` long, so the first N events of a seed never depend on ``count``.
@@ -170,7 +172,7 @@ def encoded_events(stream: ClickStream, encoder: AvroEncoder, count: int,
     remaining = count
     while remaining > 0:
         chunk = stream.chunk(chunk_size)
-        for key, record, p in list(zip(chunk.keys, chunk.records, chunk.click_probability))[:remaining]:
+        for key, record, p in list(zip(chunk.keys, chunk.records, chunk.click_probability, strict=True))[:remaining]:
             yield key, encoder.encode(record), float(p), record["clk"]
         remaining -= chunk_size
 
@@ -183,11 +185,21 @@ class ProduceReport:
     click_rate: float
 
 
-def produce(bootstrap_servers: str, topic: str, count: int, *, partitions: int = 4, partition: int | None = None,
-            seed: int = 0,
-            rate: float | None = None, schema_path: Path, start_time_ms: int | None = None,
-            client_config: dict[str, str] | None = None, progress: Callable[[str], None] | None = None,
-            should_stop: Callable[[], bool] = lambda: False) -> ProduceReport:
+def produce(
+    bootstrap_servers: str,
+    topic: str,
+    count: int,
+    *,
+    partitions: int = 4,
+    partition: int | None = None,
+    seed: int = 0,
+    rate: float | None = None,
+    schema_path: Path,
+    start_time_ms: int | None = None,
+    client_config: dict[str, str] | None = None,
+    progress: Callable[[str], None] | None = None,
+    should_stop: Callable[[], bool] = lambda: False,
+) -> ProduceReport:
     """Write ``count`` synthetic events to ``topic`` (created with ``partitions`` if absent).
 
     ``rate`` (events/s) paces the sends; event times follow the same pace, so they track the
@@ -199,14 +211,16 @@ def produce(bootstrap_servers: str, topic: str, count: int, *, partitions: int =
     from streamtrain.dev.kafka import create_topic
 
     create_topic(bootstrap_servers, topic, partitions, client_config=client_config)
-    producer = Producer({
-        "bootstrap.servers": bootstrap_servers,
-        "linger.ms": 20,
-        "compression.type": "lz4",
-        "partitioner": "murmur2_random",  # the Java client's partitioner: same key, same partition
-        "enable.idempotence": True,
-        **(client_config or {}),
-    })
+    producer = Producer(
+        {
+            "bootstrap.servers": bootstrap_servers,
+            "linger.ms": 20,
+            "compression.type": "lz4",
+            "partitioner": "murmur2_random",  # the Java client's partitioner: same key, same partition
+            "enable.idempotence": True,
+            **(client_config or {}),
+        }
+    )
     stream = ClickStream(seed, start_time_ms, rate)
     encoder = AvroEncoder(schema_path)
     probabilities = np.empty(count)
@@ -230,8 +244,13 @@ def produce(bootstrap_servers: str, topic: str, count: int, *, partitions: int =
                 time.sleep(ahead)
         while True:
             try:
-                producer.produce(topic, value=value, key=key, on_delivery=delivered,
-                                 **({} if partition is None else {"partition": partition}))
+                producer.produce(
+                    topic,
+                    value=value,
+                    key=key,
+                    on_delivery=delivered,
+                    **({} if partition is None else {"partition": partition}),
+                )
                 break
             except BufferError:  # the local queue is full: let librdkafka drain it
                 producer.poll(0.05)
@@ -246,11 +265,15 @@ def produce(bootstrap_servers: str, topic: str, count: int, *, partitions: int =
     if remaining or failures:
         raise RuntimeError(f"{remaining} events undelivered, {len(failures)} failed: {failures[:3]}")
     seconds = time.monotonic() - started
-    report = ProduceReport(produced, seconds, roc_auc(probabilities[:produced], clicks[:produced]),
-                           float(clicks[:produced].mean()) if produced else 0.0)
+    report = ProduceReport(
+        produced,
+        seconds,
+        roc_auc(probabilities[:produced], clicks[:produced]),
+        float(clicks[:produced].mean()) if produced else 0.0,
+    )
     if progress:
-        progress(f"produced {produced:,} events to {topic} in {seconds:.1f}s; click rate "
-                 f"{report.click_rate:.3f}; Bayes-optimal AUC of this stream {report.bayes_auc:.4f}")
+        progress(
+            f"produced {produced:,} events to {topic} in {seconds:.1f}s; click rate "
+            f"{report.click_rate:.3f}; Bayes-optimal AUC of this stream {report.bayes_auc:.4f}"
+        )
     return report
-
-
