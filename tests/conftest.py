@@ -60,6 +60,54 @@ class Schemas:
         return self.schemas.get(schema_id)
 
 
+class LiveProducer:
+    """``streamtrain produce`` at ``rate`` events/s in the background, bounded by ``count`` events,
+    until ``stop()``. Its output goes to a file: a pipe that nobody reads while it runs could fill up
+    (librdkafka complains through a broker outage) and stall it."""
+
+    def __init__(self, bootstrap_servers: str, topic: str, count: int, rate: float, log_path: Path, *args: str):
+        self.log_path = log_path
+        with open(log_path, "wb") as log:  # the child keeps its own descriptor
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "streamtrain", "produce", "--bootstrap-servers", bootstrap_servers,
+                 "--topic", topic, "--count", str(count), "--rate", str(rate), *args],
+                cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+            )  # fmt: skip
+
+    @property
+    def running(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self, timeout: float = 90.0) -> None:
+        """SIGTERM: the producer flushes what it sent, reports and exits."""
+        if self.running:
+            self.process.send_signal(signal.SIGTERM)
+        self.process.wait(timeout=timeout)
+
+    def produced(self) -> int:
+        """How many events it produced, from its final report; fails the test unless it exited cleanly."""
+        output = self.log_path.read_text(errors="replace")
+        assert self.process.returncode == 0, output[-3000:]
+        return int(re.search(r"produced ([\d,]+) events to", output)[1].replace(",", ""))
+
+
+@pytest.fixture
+def live_producer(tmp_path):
+    """Starts ``LiveProducer``s; any still running at the end of the test is killed."""
+    started: list[LiveProducer] = []
+
+    def start(bootstrap_servers: str, topic: str, count: int, rate: float, *args: str) -> LiveProducer:
+        producer = LiveProducer(bootstrap_servers, topic, count, rate, tmp_path / f"producer-{len(started)}.log", *args)
+        started.append(producer)
+        return producer
+
+    yield start
+    for producer in started:
+        if producer.running:
+            producer.process.kill()
+            producer.process.wait(timeout=10)
+
+
 @pytest.fixture
 def topic_name(request) -> str:
     return re.sub(r"[^a-zA-Z0-9]", "-", request.node.name)[:80] + "-" + uuid.uuid4().hex[:6]

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
@@ -154,7 +153,7 @@ def rank_steps(ranks) -> str:
 
 
 @pytest.mark.integration
-def test_exactly_once_across_random_sigkills(kafka, topic_name, start_ranks, tmp_path):
+def test_exactly_once_across_random_sigkills(kafka, topic_name, start_ranks, live_producer, tmp_path):
     root = tmp_path / "snapshots"
     env = {
         "STREAMTRAIN_CHECKPOINT__PATH": str(root),
@@ -166,28 +165,7 @@ def test_exactly_once_across_random_sigkills(kafka, topic_name, start_ranks, tmp
     # A live stream at 2,000 events/s for as long as the ranks are being killed, then stopped: a
     # stream sized by count could run dry before the last trial, and a restart with nothing left
     # to replay never trains. The count only bounds it.
-    producer = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "streamtrain",
-            "produce",
-            "--bootstrap-servers",
-            kafka.bootstrap_servers,
-            "--topic",
-            topic_name,
-            "--count",
-            str(2000 * 60 * trials_wanted),
-            "--rate",
-            "2000",
-            "--seed",
-            "41",
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    producer = live_producer(kafka.bootstrap_servers, topic_name, 2000 * 60 * trials_wanted, 2000, "--seed", "41")
     rng = random.Random(1234)
     trials = []
     try:
@@ -209,10 +187,8 @@ def test_exactly_once_across_random_sigkills(kafka, topic_name, start_ranks, tmp
             trials.append(victim)
             print(f"kill trial {trial + 1}: SIGKILL to {victim} at step {steps_at_kill}")
     finally:
-        producer.terminate()
-        _out, producer_log = producer.communicate(timeout=120)
-    assert producer.returncode == 0, producer_log
-    live_events = int(re.search(r"produced ([\d,]+) events to", producer_log)[1].replace(",", ""))
+        producer.stop(timeout=120)
+    live_events = producer.produced()
     produced = end_offsets(kafka, topic_name)
     assert sum(produced.values()) == 200 + live_events
 

@@ -188,7 +188,7 @@ def test_a_failed_snapshot_is_counted_removed_and_retried_until_max_consecutive(
     assert metrics.checkpoint_last_success._value.get() == last_success
     message = saver.failing_message()
     assert "3 snapshots in a row failed (checkpoint.max_consecutive_failures is 3)" in message
-    assert "step 4" in message and "code 4" in message
+    assert "step 4" in message and "code 6" in message
 
 
 def test_stale_checkpoint_alert_fires_while_snapshots_fail_max_consecutive(tmp_path):

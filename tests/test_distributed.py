@@ -91,40 +91,19 @@ def test_idle_rank_metrics_stay_finite_and_idle_gaps_do_not_spin(kafka, topic_na
     assert [r.wait(timeout=30) for r in ranks] == [0, 0]
 
 
-def test_signal_to_one_rank_mid_stream_stops_all(kafka, topic_name, start_ranks):
+def test_signal_to_one_rank_mid_stream_stops_all(kafka, topic_name, start_ranks, live_producer):
     produce(kafka.bootstrap_servers, topic_name, 100, partitions=PARTITIONS, seed=15, schema_path=SCHEMA)
-    producer = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "streamtrain",
-            "produce",
-            "--bootstrap-servers",
-            kafka.bootstrap_servers,
-            "--topic",
-            topic_name,
-            "--count",
-            "60000",
-            "--rate",
-            "2000",
-            "--seed",
-            "16",
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    producer = live_producer(kafka.bootstrap_servers, topic_name, 60000, 2000, "--seed", "16")
     try:
         ranks = start_ranks(topic_name, 2)
         ranks[0].wait_for(
             lambda: sum(trained_by_partition(ranks).values()) > 2000, timeout=120, what="training under way"
         )
-        assert producer.poll() is None
+        assert producer.running
         ranks[1].signal(signal.SIGTERM)
         assert [r.wait(timeout=30) for r in ranks] == [0, 0]
     finally:
-        producer.terminate()
-        producer.wait(timeout=30)
+        producer.stop(timeout=30)
 
 
 @pytest.mark.parametrize("failure", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from conftest import REPO, SCHEMA
+from conftest import SCHEMA
 from streamtrain.deadletter import HEADER_OFFSET, HEADER_PARTITION
 from streamtrain.dev.kafka import KafkaBroker
 from streamtrain.dev.produce import produce
@@ -49,34 +47,17 @@ def send_bad(broker: KafkaBroker, topic: str, count: int) -> set[tuple[int, int]
     return set(send(broker, topic, PARTITIONS, messages))
 
 
-def test_outage_of_the_broker_mid_stream_loses_and_repeats_nothing(topic_name, start_ranks, start_worker, tmp_path):
+def test_outage_of_the_broker_mid_stream_loses_and_repeats_nothing(
+    topic_name, start_ranks, start_worker, live_producer, tmp_path
+):
     with KafkaBroker() as broker:
         dlq = topic_name + ".dlq"
         broker.create_topic(dlq, 1)
         produce(broker.bootstrap_servers, topic_name, 2000, partitions=PARTITIONS, seed=70, schema_path=SCHEMA)
         bad = send_bad(broker, topic_name, 8)
         # A live stream through the outage: its client buffers while the broker is down.
-        producer = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "streamtrain",
-                "produce",
-                "--bootstrap-servers",
-                broker.bootstrap_servers,
-                "--topic",
-                topic_name,
-                "--count",
-                str(int(500 * (OUTAGE_SECONDS + 300))),
-                "--rate",
-                "500",
-                "--seed",
-                "71",
-            ],
-            cwd=REPO,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+        producer = live_producer(
+            broker.bootstrap_servers, topic_name, int(500 * (OUTAGE_SECONDS + 300)), 500, "--seed", "71"
         )
         root = tmp_path / "snapshots"
         env = {
@@ -127,9 +108,8 @@ def test_outage_of_the_broker_mid_stream_loses_and_repeats_nothing(topic_name, s
                 what="training to resume and /readyz to answer 200",
             )
         finally:
-            producer.send_signal(signal.SIGTERM)
-            _out, producer_log = producer.communicate(timeout=90)
-        assert producer.returncode == 0, producer_log[-3000:]
+            producer.stop(timeout=90)
+        assert producer.produced() > 0
         ends = end_offsets(broker, topic_name)
         valid = sum(ends.values()) - len(bad)
         ranks[0].wait_for(
