@@ -8,7 +8,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 from pathlib import Path
 
@@ -19,7 +18,7 @@ import torch.multiprocessing as mp
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import REPO, SCHEMA
+from conftest import REPO, SCHEMA, leave_spawned_rank
 from streamtrain.checkpoint import (
     FINGERPRINT_VERSION,
     Checkpointer,
@@ -31,6 +30,7 @@ from streamtrain.checkpoint import (
     list_snapshots,
 )
 from streamtrain.config import parse_config
+from streamtrain.dev.kafka import free_port
 from streamtrain.dev.produce import produce
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.train import Trainer, init_distributed
@@ -318,15 +318,14 @@ def _save_then_restore(rank: int, port: int, root: str, rank1_view: str, out: st
     view = config.checkpoint.model_copy(update={"path": rank1_view if rank == 1 else root})
     restored = Checkpointer(view, config, trainer.model, trainer.optimizer, rank, 2, group).restore()
     torch.save(restored.step if restored else None, f"{out}/rank-{rank}.pt")
-    dist.destroy_process_group()
+    leave_spawned_rank()
 
 
 def test_ranks_restore_the_same_snapshot_when_one_cannot_verify_the_newest(tmp_path):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
     mp.spawn(
-        _save_then_restore, args=(port, str(tmp_path / "snapshots"), str(tmp_path / "rank1"), str(tmp_path)), nprocs=2
+        _save_then_restore,
+        args=(free_port(), str(tmp_path / "snapshots"), str(tmp_path / "rank1"), str(tmp_path)),
+        nprocs=2,
     )
     assert [torch.load(tmp_path / f"rank-{rank}.pt") for rank in range(2)] == [1, 1]
 

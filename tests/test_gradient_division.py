@@ -9,19 +9,18 @@ table-wise and column-wise tables move twice as far at 2 ranks.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import REPO, SCHEMA
+from conftest import REPO, SCHEMA, leave_spawned_rank
 from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
+from streamtrain.dev.kafka import free_port
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 from streamtrain.source import RawEvent
 from streamtrain.train import Trainer, init_distributed
@@ -81,7 +80,7 @@ def _one_step(rank: int, world_size: int, port: int, out: str, start: str) -> No
     if rank == 0:
         plan = trainer.plan.plan["dlrm.sparse_arch.embedding_bag_collection"]
         torch.save({name: p.sharding_type for name, p in plan.items()}, f"{out}/sharding.pt")
-    dist.destroy_process_group()
+    leave_spawned_rank()
 
 
 def flat(dcp_dir: Path) -> dict[str, torch.Tensor]:
@@ -90,10 +89,7 @@ def flat(dcp_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def weights_after_one_step(world_size: int, out: Path, start: Path) -> dict[str, torch.Tensor]:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    mp.spawn(_one_step, args=(world_size, port, str(out), str(start)), nprocs=world_size)
+    mp.spawn(_one_step, args=(world_size, free_port(), str(out), str(start)), nprocs=world_size)
     assert torch.load(out / "sharding.pt") == SHARDING
     return flat(out / "step")
 

@@ -3,7 +3,6 @@ triggers, with a fake prefetcher and a fake clock; then the vote itself on 2 rea
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections import deque
 from pathlib import Path
@@ -18,6 +17,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from streamtrain.checkpoint import StreamState
 from streamtrain.config import parse_config
 from streamtrain.decode import ClickBatch, PartitionSpan
+from streamtrain.dev.kafka import free_port
 from streamtrain.lockstep import Lockstep, SnapshotSchedule
 
 REPO = Path(__file__).resolve().parent.parent
@@ -299,12 +299,6 @@ def test_without_checkpoints_trained_positions_are_committed_every_log_interval(
 # --- the vote on 2 real ranks ------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _vote_rank(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     clock = FakeClock()
@@ -332,7 +326,7 @@ def _vote_rank(rank: int, port: int, out: str) -> None:
 
 
 def test_two_ranks_step_together_when_one_has_data(tmp_path):
-    mp.spawn(_vote_rank, args=(_free_port(), str(tmp_path)), nprocs=2)
+    mp.spawn(_vote_rank, args=(free_port(), str(tmp_path)), nprocs=2)
     zero, one = (torch.load(tmp_path / f"rank-{rank}.pt") for rank in range(2))
     # the same steps at the same votes on both ranks; the idle rank contributes empty batches
     assert [s[3] for s in zero["stepped"]] == [s[3] for s in one["stepped"]]
