@@ -135,8 +135,10 @@ def test_each_architecture_learns_both_tasks_on_shared_tables(multitask):
     decoder = AvroBatchDecoder(config.features, tasks=config.tasks())
     stream = ClickStream(seed=6)
     batches = [decoder.decode(events(SCHEMA, stream.chunk(256).records)).batch for _ in range(40)]
+    batches.insert(1, decoder.decode([]).batch)  # a lockstep filler: [0, 2] labels add nothing
     quality = TaskQualities(["ctr", "cvr"], window=4096)
     for result in trainer.train(iter(batches)):
+        assert result.logits.shape == (result.batch.size, 2) and np.isfinite(result.loss_sum)
         quality.add(result.logits.numpy(), result.batch.labels.numpy())
     figures = quality.compute()
     # 10k events: both tasks are well above chance (buy has ~300 positives)
