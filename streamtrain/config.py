@@ -259,8 +259,9 @@ class ModelConfig(_Strict):
     dense_arch_layer_sizes: list[int] = [64, 16]
     # Each task's tower over the interaction (or, with mmoe, over its mix of experts).
     over_arch_layer_sizes: list[int] = [64, 32, 1]
-    # Unset: one task on features.label, which is DLRM exactly.
-    tasks: list[TaskConfig] | None = Field(default=None, min_length=1)
+    # Unset: one task on features.label, which is DLRM exactly. At most 63: the decoder marks the
+    # labels it has read in one int64.
+    tasks: list[TaskConfig] | None = Field(default=None, min_length=1, max_length=63)
     # How the tasks share what sits above the interaction: shared_bottom gives each task a tower
     # over the interaction; mmoe mixes num_experts expert MLPs with a softmax gate per task.
     multitask: Literal["shared_bottom", "mmoe"] = "shared_bottom"
