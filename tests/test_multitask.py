@@ -200,3 +200,22 @@ def test_the_fingerprint_covers_the_heads_but_not_labels_or_weights():
     del theirs["heads"]
     assert fingerprint_differences(compatibility_fingerprint(single), theirs, single) == []
     assert fingerprint_differences(ours, theirs, config) != []
+
+
+# --- the worker, on the real broker --------------------------------------------------------------
+
+
+@pytest.mark.integration
+def test_a_two_task_worker_trains_both_heads_and_exports_each_tasks_quality(kafka, topic_name, start_worker, tmp_path):
+    from streamtrain.dev.produce import produce
+
+    report = produce(kafka.bootstrap_servers, topic_name, 12_000, partitions=4, seed=9, schema_path=SCHEMA)
+    config = tmp_path / "two-tasks.yaml"
+    config.write_text(yaml.safe_dump(raw_config(multitask="mmoe")))
+    worker = start_worker(topic_name, "--until-end", config=config)
+    assert worker.wait(timeout=120) == 0, worker.output()[-3000:]
+    output = worker.output()
+    assert "progressive AUC ctr 0." in output and ", cvr 0." in output
+    # the labels in the stream are never null: nothing was dead-lettered, every event trained
+    assert "12,000 events trained" in output, output[-2000:]
+    assert report.bayes_aucs["buy"] > report.bayes_aucs["clk"]
