@@ -53,7 +53,7 @@ OK = 0
 NOT_MINE = 127
 
 # Opcodes, with their operands in the order they follow the opcode.
-END = 0            # payload must be consumed; then the label must be set and in [0, 1], dense values finite
+END = 0            # payload must be consumed; then required labels set, labels in [0, 1], dense values finite
 BOOL = 1           # -> int register
 LONG = 2           # zigzag varint (int or long) -> int register
 FLOAT = 3          # 4 bytes -> float register
@@ -72,12 +72,12 @@ CONST_FLOAT = 15   # float64 bits: a reader default
 CONST_HASH = 16    # fnv1a64: a reader default string
 ID = 17            # table, num_embeddings, mode (0 modulo, 1 hash): appends the register as a row
 DENSE = 18         # column, transform (0 none, 1 log1p)
-LABEL = 19
+LABEL = 19         # column: the task whose label this is
 TIME = 20          # divisor (1 for milliseconds, 1000 for microseconds)
 
 _OPERANDS = {END: 0, BOOL: 0, LONG: 0, FLOAT: 0, DOUBLE: 0, STRING: 0, SKIP_BYTES: 0, SKIP_FIXED: 1,
              SKIP_VARINT: 0, JUMP: 1, BLOCKS: 2, NEXT_ITEM: 1, CONST_INT: 1, CONST_FLOAT: 1, CONST_HASH: 1,
-             ID: 3, DENSE: 2, LABEL: 0, TIME: 1}
+             ID: 3, DENSE: 2, LABEL: 1, TIME: 1}
 _NAMES = ("END", "BOOL", "LONG", "FLOAT", "DOUBLE", "STRING", "SKIP_BYTES", "SKIP_FIXED", "SKIP_VARINT", "ENUM",
           "UNION", "JUMP", "BLOCKS", "NEXT_ITEM", "CONST_INT", "CONST_FLOAT", "CONST_HASH", "ID", "DENSE", "LABEL",
           "TIME")
@@ -505,6 +505,7 @@ def run_batch(
     lengths: I32,
     dense: F32,
     labels: F32,
+    required: npt.NDArray[np.bool_],
     times: I64,
 ) -> tuple[I64, I32, I64, I64]:
     """``run_programs`` over a whole batch, growing the row arrays as it needs: (rows, table of each
@@ -526,6 +527,7 @@ def run_batch(
             lengths,
             dense,
             labels,
+            required,
             times,
             rows,
             row_table,
@@ -552,6 +554,7 @@ def run_programs(
     lengths: I32,
     dense: F32,
     labels: F32,
+    required: npt.NDArray[np.bool_],
     times: I64,
     rows: I64,
     row_table: I32,
@@ -586,12 +589,13 @@ def run_programs(
         depth = 0
         empty_items = 0
         err = OK
-        label_set = False
+        labels_set = np.int64(0)  # bit t: task t's label was read
         non_finite = False
         ival = np.int64(0)
         fval = 0.0
         kind = KIND_INT
-        labels[e] = 0.0
+        for t in range(labels.shape[1]):
+            labels[e, t] = 0.0
         times[e] = 0
         for d in range(dense.shape[1]):
             dense[e, d] = 0.0
@@ -600,11 +604,17 @@ def run_programs(
             if op == END:
                 if pos != end:
                     err = TRAILING_BYTES
-                elif not label_set:
-                    err = MISSING_LABEL
-                elif not (0.0 <= labels[e] <= 1.0):  # a NaN fails this too
-                    err = BAD_LABEL
-                elif non_finite:
+                for t in range(labels.shape[1]):
+                    if err == OK and not (labels_set >> t) & 1:
+                        if required[t]:
+                            err = MISSING_LABEL
+                        else:
+                            labels[e, t] = np.nan  # masked: this event trains the other tasks only
+                for t in range(labels.shape[1]):
+                    # a NaN read from the payload fails this too; a masked label is not checked
+                    if err == OK and (labels_set >> t) & 1 and not (0.0 <= labels[e, t] <= 1.0):
+                        err = BAD_LABEL
+                if err == OK and non_finite:
                     err = NON_FINITE_DENSE
                 break
             elif op == LONG:
@@ -742,9 +752,9 @@ def run_programs(
             elif op == DENSE or op == LABEL:
                 value = fval if kind == KIND_FLOAT else np.float64(ival)
                 if op == LABEL:
-                    labels[e] = np.float32(value)
-                    label_set = True
-                    pc += 1
+                    labels[e, code[pc + 1]] = np.float32(value)
+                    labels_set |= np.int64(1) << code[pc + 1]
+                    pc += 2
                     continue
                 if code[pc + 2] == 1:
                     value = np.log1p(value) if value > -1.0 else np.nan

@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, Sta
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from streamtrain.config import CheckpointConfig, WorkerConfig
+from streamtrain.heads import architecture
 from streamtrain.schema import field_kind, load_schema
 
 if TYPE_CHECKING:
@@ -102,7 +103,9 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
     holds: the table's field, that field's Avro kind (strings are always hashed) and the id
     mapping. A table restored under another mapping has the right shape and silently wrong rows,
     so a changed mapping is refused like a changed shape (``--allow-partial-restore`` overrides).
-    The table order is kept too: it orders the interaction features the over arch reads.
+    The table order is kept too: it orders the interaction features the over arch reads. The heads:
+    the architecture above the interaction, the tasks (their towers are named after them), and
+    mmoe's experts; not the labels, loss weights or which labels are required.
 
     Left out, because a snapshot stays right across them: the wire format, the registry and
     credentials, sharding constraints (DCP reshards), batch size, learning rates, metrics.
@@ -126,7 +129,22 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
         "dense_arch_layer_sizes": list(config.model.dense_arch_layer_sizes),
         "over_arch_layer_sizes": list(config.model.over_arch_layer_sizes),
         "sparse_optimizer": config.model.sparse_optimizer,
+        "heads": _heads(config),
     }
+
+
+# What the heads of every snapshot written before multi-task were: one task, DLRM's own over arch.
+_DLRM_HEADS = {"architecture": "dlrm"}
+
+
+def _heads(config: WorkerConfig) -> dict[str, Any]:
+    kind = architecture(config.tasks(), config.model)
+    if kind == "dlrm":
+        return dict(_DLRM_HEADS)
+    heads: dict[str, Any] = {"architecture": kind, "tasks": [t.name for t in config.tasks()]}
+    if kind == "mmoe":
+        heads |= {"num_experts": config.model.num_experts, "expert_layer_sizes": list(config.model.expert_layer_sizes)}
+    return heads
 
 
 def fingerprint_differences(ours: dict[str, Any], theirs: dict[str, Any], config: WorkerConfig) -> list[str]:
@@ -136,6 +154,8 @@ def fingerprint_differences(ours: dict[str, Any], theirs: dict[str, Any], config
         # changed; unequal cannot tell a changed shape from a changed learning rate.
         old = _fingerprint_v1(config)
         changed = sorted(k for k in old if theirs.get(k) != old[k])
+        if ours["heads"] != _DLRM_HEADS:  # version 1 predates multi-task heads
+            changed.append("model.multitask")
         return (
             [
                 f"the {' and '.join(changed)} configuration (the snapshot carries a version-1 fingerprint, which "
@@ -145,7 +165,7 @@ def fingerprint_differences(ours: dict[str, Any], theirs: dict[str, Any], config
             if changed
             else []
         )
-    return _differences(ours, theirs, "")
+    return _differences(ours, {"heads": _DLRM_HEADS, **theirs}, "")
 
 
 def _differences(ours: Any, theirs: Any, where: str) -> list[str]:
@@ -156,6 +176,9 @@ def _differences(ours: Any, theirs: Any, where: str) -> list[str]:
             for d in _differences(ours.get(k), theirs.get(k), f"{where}.{k}" if where else str(k))
         ]
     return [] if ours == theirs else [f"{where}: {theirs!r} in the snapshot, {ours!r} here"]
+
+
+_MULTITASK_FIELDS = {"tasks", "multitask", "num_experts", "expert_layer_sizes"}
 
 
 def _fingerprint_v1(config: WorkerConfig) -> dict[str, str]:
@@ -171,7 +194,12 @@ def _fingerprint_v1(config: WorkerConfig) -> dict[str, str]:
 
     return {
         "features": digest(config.features.model_dump(exclude={"schema_path"})),
-        "model": digest(config.model.model_dump(exclude={"sparse_learning_rate", "dense_learning_rate", "seed"})),
+        "model": digest(
+            config.model.model_dump(
+                # the learning rates and seed never counted; the multi-task fields came after version 1
+                exclude={"sparse_learning_rate", "dense_learning_rate", "seed", *_MULTITASK_FIELDS}
+            )
+        ),
         "schema_fields": digest(types),
     }
 

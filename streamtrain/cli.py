@@ -338,7 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
         "produce",
         help="write a synthetic click stream with a planted signal to a topic",
         description="Write synthetic Taobao-like click events (schemaless Avro) whose labels follow a hidden "
-        "logistic model, then print the stream's Bayes-optimal AUC.",
+        "logistic model, then print the stream's Bayes-optimal AUC of each label.",
     )
     produce.add_argument("--bootstrap-servers", default="127.0.0.1:9092")
     produce.add_argument("--topic", default="clicks")

@@ -238,9 +238,35 @@ def _resolved(path: Path) -> Path:
     return path if path.is_absolute() or path.exists() else PACKAGE_DIR / path
 
 
+class TaskConfig(_Strict):
+    """One prediction target: a binary label read from the schema, with its own head and loss."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    label: str = Field(min_length=1, description="the schema field holding this task's 0/1 label")
+    # Multiplies this task's summed loss; the tasks' losses are added.
+    loss_weight: float = Field(default=1.0, gt=0)
+    # true: an event whose label is null is dead-lettered (missing_label). false: it trains the
+    # other tasks, and its loss for this task is masked (a purchase not yet known, say).
+    required: bool = True
+
+
+def default_tasks(features: FeaturesConfig) -> list[TaskConfig]:
+    """The single-label config's one task: ``features.label``, named after it, required."""
+    return [TaskConfig(name=features.label, label=features.label)]
+
+
 class ModelConfig(_Strict):
     dense_arch_layer_sizes: list[int] = [64, 16]
+    # Each task's tower over the interaction (or, with mmoe, over its mix of experts).
     over_arch_layer_sizes: list[int] = [64, 32, 1]
+    # Unset: one task on features.label, which is DLRM exactly. At most 63: the decoder marks the
+    # labels it has read in one int64.
+    tasks: list[TaskConfig] | None = Field(default=None, min_length=1, max_length=63)
+    # How the tasks share what sits above the interaction: shared_bottom gives each task a tower
+    # over the interaction; mmoe mixes num_experts expert MLPs with a softmax gate per task.
+    multitask: Literal["shared_bottom", "mmoe"] = "shared_bottom"
+    num_experts: int = Field(default=4, gt=0)
+    expert_layer_sizes: list[int] = Field(default=[64], min_length=1)
     sparse_optimizer: Literal["row_wise_adagrad", "adagrad", "sgd"] = "row_wise_adagrad"
     sparse_learning_rate: float = Field(default=0.05, gt=0)
     dense_learning_rate: float = Field(default=0.001, gt=0)
@@ -251,6 +277,15 @@ class ModelConfig(_Strict):
     def _ends_in_one_logit(cls, value: list[int]) -> list[int]:
         if len(value) < 2 or value[-1] != 1:
             raise ValueError("needs at least two layers and must end in 1 (the click logit), e.g. [64, 32, 1]")
+        return value
+
+    @field_validator("tasks")
+    @classmethod
+    def _unique_task_names(cls, value: list[TaskConfig] | None) -> list[TaskConfig] | None:
+        names = [t.name for t in value or ()]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"task names must be unique; repeated: {duplicated}")
         return value
 
 
@@ -365,6 +400,18 @@ class WorkerConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _one_way_to_name_labels(self) -> WorkerConfig:
+        if self.model.tasks is not None and "label" in self.features.model_fields_set:
+            raise ValueError(
+                "features.label is the single-task form: with model.tasks, each task names its label; remove one"
+            )
+        return self
+
+    def tasks(self) -> list[TaskConfig]:
+        """The tasks trained, in head order: model.tasks, else the one on features.label."""
+        return list(self.model.tasks) if self.model.tasks is not None else default_tasks(self.features)
+
+    @model_validator(mode="after")
     def _dlrm_shapes(self) -> WorkerConfig:
         dims = {t.embedding_dim for t in self.features.tables}
         if len(dims) > 1:
@@ -460,7 +507,7 @@ def parse_config(raw: dict[str, Any], environ: Mapping[str, str] | None = None) 
         config = WorkerConfig.model_validate(merged)
     except ValidationError as error:
         raise ConfigError(_format_errors(error)) from None
-    _check_against_schema(config.features)
+    _check_against_schema(config.features, config.model.tasks)
     return config
 
 
@@ -477,7 +524,7 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> W
     return parse_config(raw, environ)
 
 
-def _check_against_schema(features: FeaturesConfig) -> None:
+def _check_against_schema(features: FeaturesConfig, tasks: list[TaskConfig] | None = None) -> None:
     """Every configured field must exist in the Avro schema with a type its role can use."""
 
     path = features.resolved_schema_path()
@@ -499,7 +546,10 @@ def _check_against_schema(features: FeaturesConfig) -> None:
         check(f"features.tables.{i}.field", table.field, ID_KINDS)
     for i, dense in enumerate(features.dense):
         check(f"features.dense.{i}.field", dense.field, NUMBER_KINDS)
-    check("features.label", features.label, NUMBER_KINDS)
+    if tasks is None:
+        check("features.label", features.label, NUMBER_KINDS)
+    for i, task in enumerate(tasks or ()):
+        check(f"model.tasks.{i}.label", task.label, NUMBER_KINDS)
     check("features.event_time", features.event_time, {"integer"})
     if problems:
         raise ConfigError("invalid worker configuration:\n" + "\n".join(problems))

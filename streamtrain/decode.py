@@ -17,8 +17,10 @@ Ids reach their tables by a documented, stable mapping (``map_ids``), identical 
     hashed as they are, valid UTF-8 or not) as an unsigned id, then as above;
   - enums: the reader's symbol index; booleans: 0 or 1.
 Dense features, labels: the number as float64, the transform applied, then float32. A null dense
-value is 0.0; a null label rejects the event, and so does one outside [0, 1] (NaN included): the
-loss is binary cross-entropy, and one such target would turn the model's weights to NaN. Event
+value is 0.0. There is a label per task (``model.tasks``; one, ``features.label``, by default). A
+null label rejects the event when its task is required; otherwise it is NaN, which masks the
+event's loss for that task. A label outside [0, 1] (NaN included) rejects the event: the loss is
+binary cross-entropy, and one such target would turn the model's weights to NaN. Event
 time: timestamp-millis (or a plain long) as is, timestamp-micros floor-divided by 1000; null is 0.
 A writer's null where the reader's type has none (e.g. a nullable label the reader declares an
 int) is such a null too.
@@ -50,7 +52,7 @@ from torchrec.streamable import Pipelineable
 
 from streamtrain import avro_program as ap
 from streamtrain.avro_program import REASONS, fnv1a64
-from streamtrain.config import FeaturesConfig, TableConfig
+from streamtrain.config import FeaturesConfig, TableConfig, TaskConfig, default_tasks
 from streamtrain.registry import BadWriterSchema
 from streamtrain.schema import field_schema, load_schema, without_logical_types
 from streamtrain.source import RawEvent
@@ -93,7 +95,8 @@ class ClickBatch(Pipelineable):
 
     dense_features: torch.Tensor  # [B, num_dense] float32
     sparse_features: KeyedJaggedTensor  # one key per table, B lengths per key
-    labels: torch.Tensor  # [B] float32
+    # float32, [B] with one task, [B, tasks] with several; NaN: a masked label
+    labels: torch.Tensor
     event_time_ms: torch.Tensor  # [B] int64
     # Multiplies the summed loss: world_size / global batch size, so an empty batch adds zero
     # and gradients match TorchRec's usual per-rank mean when batches are even.
@@ -161,13 +164,15 @@ class AvroBatchDecoder:
     schema. One program is built per writer schema id, on first sight, and kept.
     """
 
-    def __init__(self, features: FeaturesConfig, schema_source: Any = None):
+    def __init__(self, features: FeaturesConfig, schema_source: Any = None, tasks: list[TaskConfig] | None = None):
         self.features = features
+        self.tasks = tasks or default_tasks(features)
+        self.required = np.array([t.required for t in self.tasks], dtype=np.bool_)
         self.confluent = features.wire_format == "confluent"
         self.clip = features.non_finite_dense == "clip"
         self.reader = load_schema(features.resolved_schema_path())
-        self.plan = feature_plan(features, self.reader)
-        self.fallback = FastavroDecoder(features, schema_source)
+        self.plan = feature_plan(features, self.reader, self.tasks)
+        self.fallback = FastavroDecoder(features, schema_source, tasks=self.tasks)
         self.keys = [t.name for t in features.tables]
         self.code = np.zeros(0, np.int64)  # every program built so far, one after another
         # schema id (None in raw mode) -> its program's start in self.code, or one of _STATUS
@@ -238,10 +243,10 @@ class AvroBatchDecoder:
             self._assign(self._entry(None), status == ap.OK, entry, status)
         lengths = np.zeros((tables, n), dtype=np.int32)
         dense = np.zeros((n, dense_count), dtype=np.float32)
-        labels = np.zeros(n, dtype=np.float32)
+        labels = np.zeros((n, len(self.tasks)), dtype=np.float32)
         times = np.zeros(n, dtype=np.int64)
         rows, row_table, first, stop = ap.run_batch(
-            buf, starts, ends, entry, self.code, self.clip, status, lengths, dense, labels, times
+            buf, starts, ends, entry, self.code, self.clip, status, lengths, dense, labels, self.required, times
         )
         slow = np.flatnonzero(status == ap.NOT_MINE)
         if slow.size:
@@ -308,8 +313,8 @@ _STATUS = {
 }
 
 
-def feature_plan(features: FeaturesConfig, reader: dict) -> ap.FeaturePlan:
-    """Which reader fields feed which table, dense column, the label and the event time."""
+def feature_plan(features: FeaturesConfig, reader: dict, tasks: list[TaskConfig] | None = None) -> ap.FeaturePlan:
+    """Which reader fields feed which table, dense column, task label and the event time."""
     plan = ap.FeaturePlan()
     for t, table in enumerate(features.tables):
         plan.add(
@@ -325,7 +330,8 @@ def feature_plan(features: FeaturesConfig, reader: dict) -> ap.FeaturePlan:
             dense.field,
             ap.Sink(ap.DENSE, (d, 1 if dense.transform == "log1p" else 0), f"-> dense {d} ({dense.transform})"),
         )
-    plan.add(features.label, ap.Sink(ap.LABEL, (), "-> label"))
+    for t, task in enumerate(tasks or default_tasks(features)):
+        plan.add(task.label, ap.Sink(ap.LABEL, (t,), f"-> label of task {task.name}"))
     divisor = _time_divisor(reader, features.event_time)
     plan.add(
         features.event_time, ap.Sink(ap.TIME, (divisor,), "-> event time" + (" (us -> ms)" if divisor > 1 else ""))
@@ -344,7 +350,7 @@ class _Columns:
     status: np.ndarray  # int8 [n], 0 = decoded, else REASONS index + 1
     lengths: np.ndarray  # int32 [tables, n]
     dense: np.ndarray  # float32 [n, dense]
-    labels: np.ndarray  # float32 [n]
+    labels: np.ndarray  # float32 [n, tasks]
     times: np.ndarray  # int64 [n]
     values: list[np.ndarray]  # per table, the rows of the decoded events in event order
     details: dict[int, str]  # event -> the detail of its reason, where there is one
@@ -356,7 +362,7 @@ class _FieldPaths:
 
     tables: list[tuple[str, ...]]
     dense: list[tuple[str, ...]]
-    label: tuple[str, ...]
+    labels: list[tuple[str, ...]]
     time: tuple[str, ...]
 
 
@@ -372,8 +378,16 @@ class FastavroDecoder:
     wire checks off (``wire_checks=False``): it measures what fastavro alone costs.
     """
 
-    def __init__(self, features: FeaturesConfig, schema_source: Any = None, *, wire_checks: bool = True):
+    def __init__(
+        self,
+        features: FeaturesConfig,
+        schema_source: Any = None,
+        *,
+        wire_checks: bool = True,
+        tasks: list[TaskConfig] | None = None,
+    ):
         self.features = features
+        self.tasks = tasks or default_tasks(features)
         self.wire_checks = wire_checks
         self.schema_source = schema_source
         self.confluent = features.wire_format == "confluent"
@@ -383,7 +397,7 @@ class FastavroDecoder:
         self.paths = _FieldPaths(
             tables=[tuple(t.field.split(".")) for t in features.tables],
             dense=[tuple(d.field.split(".")) for d in features.dense],
-            label=tuple(features.label.split(".")),
+            labels=[tuple(t.label.split(".")) for t in self.tasks],
             time=tuple(features.event_time.split(".")),
         )
         sinks = {
@@ -391,7 +405,7 @@ class FastavroDecoder:
             for path in (
                 *(t.field for t in features.tables),
                 *(d.field for d in features.dense),
-                features.label,
+                *(t.label for t in self.tasks),
                 features.event_time,
             )
         }
@@ -480,7 +494,7 @@ class FastavroDecoder:
         ids: list[list[Any]] = [[] for _ in features.tables]
         lengths = np.zeros((len(features.tables), n), dtype=np.int32)
         dense = np.zeros((n, len(features.dense)), dtype=np.float32)
-        labels = np.zeros(n, dtype=np.float32)
+        labels = np.zeros((n, len(self.tasks)), dtype=np.float32)
         times = np.zeros(n, dtype=np.int64)
         # A number past float32's range becomes inf, as it does in the compiled path.
         with np.errstate(over="ignore"):
@@ -501,11 +515,12 @@ class FastavroDecoder:
                     status[i] = ap.UNDECODABLE
                     details[i] = f"{type(error).__name__}: {error}"
                     continue
-                label = _get(record, paths.label)
-                if label is None:
+                read = [_get(record, path) for path in paths.labels]
+                if any(label is None and task.required for label, task in zip(read, self.tasks, strict=True)):
                     status[i] = ap.MISSING_LABEL
                     continue
-                if not 0.0 <= np.float32(label) <= 1.0:
+                row_labels = [np.nan if label is None else np.float32(label) for label in read]
+                if not all(0.0 <= label <= 1.0 for label, raw in zip(row_labels, read, strict=True) if raw is not None):
                     status[i] = ap.BAD_LABEL
                     continue
                 row = [
@@ -523,7 +538,7 @@ class FastavroDecoder:
                     ids[t].extend(values)
                     lengths[t, i] = len(values)
                 dense[i] = row
-                labels[i] = float(label)
+                labels[i] = row_labels
                 time = _get(record, paths.time)
                 times[i] = 0 if time is None else int(time) // self.divisor
         values = [
@@ -547,6 +562,8 @@ def _result(
     kept = status == ap.OK
     count = int(kept.sum())
     everything = count == len(events)
+    # One task keeps the single-label batch's [B] labels, so a one-task model is DLRM exactly.
+    labels = labels[:, 0] if labels.shape[1] == 1 else labels
     batch = ClickBatch(
         dense_features=torch.from_numpy(dense if everything else dense[kept]),
         sparse_features=KeyedJaggedTensor(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import numpy as np
@@ -78,6 +78,11 @@ class ProgressiveQuality:
         self.sums = np.zeros(4)  # bce, labels, probabilities, events
 
     def add(self, logits: np.ndarray, labels: np.ndarray) -> None:
+        """Scores (as logits) given before training on events with these labels; a NaN label (masked:
+        not known for this task) leaves its event out."""
+        known = ~np.isnan(labels)
+        if not known.all():
+            logits, labels = logits[known], labels[known]
         probabilities = _sigmoid(logits.astype(np.float64))
         labels = labels.astype(np.float64)
         bins = np.minimum((probabilities * self.BINS).astype(np.int64), self.BINS - 1)
@@ -113,6 +118,22 @@ class ProgressiveQuality:
             ),
             "lifetime": _quality(bce_sum, label_sum, prob_sum, events, lifetime_auc),
         }
+
+
+class TaskQualities:
+    """A ``ProgressiveQuality`` per task, fed from the model's logits and the batch's labels: [B]
+    with one task, [B, tasks] with several, column t for task t."""
+
+    def __init__(self, tasks: Sequence[str], window: int):
+        self.by_task = {name: ProgressiveQuality(window) for name in tasks}
+
+    def add(self, logits: np.ndarray, labels: np.ndarray) -> None:
+        for t, quality in enumerate(self.by_task.values()):
+            quality.add(logits if logits.ndim == 1 else logits[:, t], labels if labels.ndim == 1 else labels[:, t])
+
+    def compute(self) -> dict[str, dict[str, dict[str, float]]]:
+        """task -> window -> figure, as ``ProgressiveQuality.compute`` gives them."""
+        return {name: quality.compute() for name, quality in self.by_task.items()}
 
 
 class BulkHistogram:
@@ -172,7 +193,7 @@ class Health:
 
 
 class WorkerMetrics:
-    def __init__(self, auc_window: int = 100_000):
+    def __init__(self, auc_window: int = 100_000, tasks: Sequence[str] = ("clk",)):
         self.registry = registry = CollectorRegistry()
         tp = ["topic", "partition"]
         self.info = Info("streamtrain_worker", "The worker's rank, world size and versions.", registry=registry)
@@ -220,18 +241,18 @@ class WorkerMetrics:
             "ne": Gauge(
                 "streamtrain_progressive_ne",
                 "Normalized entropy of test-then-train scores: cross-entropy over the entropy of the "
-                "click rate; below 1 beats predicting the rate.",
+                "task's positive rate; below 1 beats predicting the rate.",
                 quality_labels,
                 registry=registry,
             ),
             "calibration": Gauge(
                 "streamtrain_progressive_calibration",
-                "Predicted clicks over actual clicks (1 is calibrated).",
+                "Predicted positives over actual positives of the task (1 is calibrated).",
                 quality_labels,
                 registry=registry,
             ),
         }
-        self.progressive_quality = ProgressiveQuality(auc_window)
+        self.task_quality = TaskQualities(tasks, auc_window)
         self.consumer_lag = Gauge(
             "streamtrain_consumer_lag_events",
             "High watermark minus the read position, per owned partition.",
@@ -326,6 +347,11 @@ class WorkerMetrics:
             "streamtrain_checkpoint_failures", "Snapshots that failed to write.", registry=registry
         )
         self._server: ThreadingHTTPServer | None = None
+
+    @property
+    def progressive_quality(self) -> ProgressiveQuality:
+        """The first task's: the primary one, whose AUC the one-task progress line shows."""
+        return next(iter(self.task_quality.by_task.values()))
 
     def serve(self, host: str, port: int, health: Health) -> int:
         """Serve /metrics, /healthz and /readyz; returns the bound port (useful when ``port`` is 0)."""

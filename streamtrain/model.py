@@ -1,4 +1,4 @@
-"""What is trained: a DLRM over the configured tables and dense features, predicting the click."""
+"""What is trained: a DLRM over the configured tables and dense features, with a head per task."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
 from torchrec.models.dlrm import DLRM
 
-from streamtrain.config import FeaturesConfig, ModelConfig
+from streamtrain.config import FeaturesConfig, ModelConfig, TaskConfig
 from streamtrain.decode import ClickBatch
+from streamtrain.heads import HEADS, architecture, interaction_size
 
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 
@@ -28,14 +29,19 @@ def embedding_configs(features: FeaturesConfig) -> list[EmbeddingBagConfig]:
 
 
 class ClickModel(nn.Module):
-    """DLRM: tables -> pooled embeddings, an MLP over dense features, pairwise interaction, top MLP.
+    """DLRM: tables -> pooled embeddings, an MLP over dense features, pairwise interaction, then a
+    logit per task: DLRM's own over arch for one task with shared_bottom, else the heads of
+    ``model.multitask`` (streamtrain/heads.py) in the over arch's place.
 
     ``forward`` returns what TorchRec's train pipelines expect: (loss to backpropagate, output).
     The output holds the logits computed *before* this batch's update, which is what progressive
-    (test-then-train) evaluation needs.
+    (test-then-train) evaluation needs; like the labels, they are [B] for one task and [B, tasks]
+    for several.
     """
 
-    def __init__(self, features: FeaturesConfig, model: ModelConfig, dense_device: torch.device):
+    def __init__(
+        self, features: FeaturesConfig, model: ModelConfig, tasks: list[TaskConfig], dense_device: torch.device
+    ):
         super().__init__()
         self.dlrm = DLRM(
             embedding_bag_collection=EmbeddingBagCollection(
@@ -46,10 +52,25 @@ class ClickModel(nn.Module):
             over_arch_layer_sizes=list(model.over_arch_layer_sizes),
             dense_device=dense_device,
         )
+        if architecture(tasks, model) != "dlrm":
+            # DLRM's forward ends in over_arch(interaction): the heads take its place, and the
+            # sparse arch, dense arch and interaction stay TorchRec's, shared by every task. One
+            # shared_bottom task keeps DLRM's own over arch, and the names its snapshots use.
+            width = interaction_size(len(features.tables), features.tables[0].embedding_dim)
+            self.dlrm.over_arch = HEADS[model.multitask](width, tasks, model, dense_device)
+        # Not in the state dict: a snapshot restores under other loss weights.
+        self.register_buffer(
+            "loss_weights", torch.tensor([t.loss_weight for t in tasks], device=dense_device), persistent=False
+        )
 
     def forward(self, batch: ClickBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         logits = self.dlrm(batch.dense_features, batch.sparse_features).squeeze(-1)
-        per_event = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
+        # A NaN label (a null one of a task that is not required) adds nothing to its task's loss.
+        known = ~batch.labels.isnan()
+        per_event = F.binary_cross_entropy_with_logits(logits, batch.labels.nan_to_num(0.0), reduction="none")
+        per_event = per_event * known * self.loss_weights
         # A sum, scaled by the batch stage, never a mean: a rank's empty batch must add 0, not NaN.
+        # Masked events still count in the scale: each task's gradient is its summed loss over
+        # the global batch, whatever share of it carries that task's label.
         loss = per_event.sum() * batch.loss_scale
         return loss, (per_event.detach().sum(), logits.detach(), batch.labels)

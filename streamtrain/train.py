@@ -209,7 +209,7 @@ def plan_sharding(
     and the dense layers stay on the meta device too. ``planner_topology`` defaults to
     ``topology(config, world_size, compute_device, device=dense_device)``.
     """
-    model = ClickModel(config.features, config.model, dense_device or torch.device("meta"))
+    model = ClickModel(config.features, config.model, config.tasks(), dense_device or torch.device("meta"))
     apply_optimizer_in_backward(
         _SPARSE_OPTIMIZERS[config.model.sparse_optimizer],
         model.dlrm.sparse_arch.parameters(),

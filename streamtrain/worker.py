@@ -119,7 +119,7 @@ class _Progress:
         batch, loss_sum = result.batch, result.loss_sum
         if batch.size:
             self.metrics.loss.set(loss_sum / batch.size)
-            self.metrics.progressive_quality.add(result.logits.numpy(), batch.labels.numpy())
+            self.metrics.task_quality.add(result.logits.numpy(), batch.labels.numpy())
         self.loss_sum += loss_sum
         self.loss_events += batch.size
 
@@ -139,15 +139,18 @@ class _Progress:
         rate = events / max(now - self.last_time, 1e-9)
         read = loss_events - self.last_loss_events
         loss = f"{(loss_sum - self.last_loss_sum) / read:.4f}" if read else "-"
-        quality = self.metrics.progressive_quality.compute()
-        auc = quality["window"]["auc"]
+        qualities = self.metrics.task_quality.compute()
         self.metrics.examples_per_second.set(rate)
-        for window, values in quality.items():
-            for name, value in values.items():
-                if math.isfinite(value):  # a rank that has seen no clicks yet has no figures yet
-                    self.metrics.quality_gauges[name].labels("clk", window).set(value)
+        for task, quality in qualities.items():
+            for window, values in quality.items():
+                for name, value in values.items():
+                    if math.isfinite(value):  # a rank that has seen no positives yet has no figures yet
+                        self.metrics.quality_gauges[name].labels(task, window).set(value)
+        aucs = [(task, f"{quality['window']['auc']:.4f}") for task, quality in qualities.items()]
+        # One task: the single-label line as it always was; several: each task's, by name.
+        auc = aucs[0][1] if len(aucs) == 1 else ", ".join(f"{task} {value}" for task, value in aucs)
         log.info(
-            "rank %d step %d | trained %s events | %s events/s | loss %s | progressive AUC %.4f | queue %d",
+            "rank %d step %d | trained %s events | %s events/s | loss %s | progressive AUC %s | queue %d",
             self.rank,
             self.step,
             f"{trained:,}",
@@ -174,7 +177,7 @@ def run_worker(
     ``observers`` sees every step that trained events, and is closed at the end.
     """
     env = init_distributed(config.distributed.timeout_seconds, config.distributed.device)
-    metrics = WorkerMetrics(config.metrics.auc_window)
+    metrics = WorkerMetrics(config.metrics.auc_window, [t.name for t in config.tasks()])
     metrics.info.info({"rank": str(env.rank), "world_size": str(env.world_size), "topic": config.kafka.topic})
     health = Health(config.metrics.stall_seconds)
     port = metrics.serve(config.metrics.host, config.metrics.port and config.metrics.port + env.local_rank, health)
@@ -221,7 +224,7 @@ def run_worker(
     )
     health.ready = True  # the state is restored and the broker answered the source's metadata request
     health.not_ready_reason = "the Kafka brokers are down"
-    decoder = AvroBatchDecoder(config.features, schema_source(config.features))
+    decoder = AvroBatchDecoder(config.features, schema_source(config.features), config.tasks())
     rejections = Rejections(config.dead_letter, config.kafka, metrics, env.rank)
     # A rank blocked on a dead-letter write serves no consumer callbacks: its producer speaks for it.
     health.readiness = lambda: not (source.brokers_down or (rejections.writer and rejections.writer.brokers_down))

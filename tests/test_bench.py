@@ -216,6 +216,28 @@ def test_decode_benchmark_runs_both_decoders_and_reports_a_ratio_on_the_cpu_devi
     assert saved["device"] == "cpu"
 
 
+def test_quality_benchmark_reports_each_tasks_progressive_holdout_and_bayes_auc_per_architecture():
+    result = subprocess.run(
+        [sys.executable, "-m", "streamtrain", "bench", "quality", "--quick", "--config", str(SMALL_CONFIG)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = json.loads(Path(result.stdout.split("results: ")[1].strip()).read_text())
+    assert set(saved["architectures"]) == {"clk_alone", "shared_bottom", "mmoe"}
+    assert set(saved["architectures"]["clk_alone"]["tasks"]) == {"clk"}
+    for name in ("shared_bottom", "mmoe"):
+        tasks = saved["architectures"][name]["tasks"]
+        assert set(tasks) == {"clk", "buy"}
+        for figures in tasks.values():
+            assert {"progressive_auc", "holdout_auc", "bayes_auc"} <= set(figures)
+            # a quick run judges nothing, but a model that learned nothing would sit at 0.5
+            assert 0.55 < figures["holdout_auc"] <= figures["bayes_auc"] + 0.02 < 1.02
+    assert saved["bayes_auc"]["buy"] > saved["bayes_auc"]["clk"] > 0.75
+
+
 def _naive_gradients_rank(rank: int, port: int, out: str) -> None:
     import os
 

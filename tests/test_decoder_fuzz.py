@@ -314,7 +314,8 @@ def _bounds(count: int, tmp_path: Path) -> None:
                     status,
                     lengths,
                     np.zeros((1, len(compiled.features.dense)), np.float32),
-                    np.zeros(1, np.float32),
+                    np.zeros((1, 1), np.float32),  # one task's label column
+                    np.ones(1, np.bool_),  # and it is required
                     np.zeros(1, np.int64),
                 )
             checked += 1

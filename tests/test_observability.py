@@ -38,7 +38,21 @@ def tool(name: str) -> str:
 
 
 def dashboard_queries() -> list[str]:
-    return [t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p["targets"]]
+    """Every panel's query, with each template variable at its "All" value, as Grafana sends it."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"]: v["allValue"] for v in dashboard["templating"]["list"]}
+    queries = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    for name, value in sorted(variables.items(), key=lambda item: -len(item[0])):
+        queries = [q.replace(f"${name}", value) for q in queries]
+    return queries
+
+
+def test_every_dashboard_variable_is_known_and_quality_panels_repeat_per_task():
+    assert all("$" not in query for query in dashboard_queries())
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    quality = [p for p in panels if "streamtrain_progressive_" in json.dumps(p["targets"])]
+    assert quality and all(p.get("repeat") == "task" for p in quality)
+    assert all("by (task)" in r["expr"] for r in alert_rules() if "progressive_auc" in r["expr"])
 
 
 def alert_rules() -> list[dict]:

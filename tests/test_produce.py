@@ -45,3 +45,18 @@ def test_planted_signal_has_a_high_bayes_auc():
     clicks = np.array([e[3] for e in events])
     assert 0.1 < clicks.mean() < 0.5
     assert roc_auc(p, clicks) >= 0.75
+
+
+def test_buy_follows_a_click_with_its_own_signal_and_each_label_knows_its_bayes_auc():
+    from streamtrain.dev.produce import bayes_aucs, labelled_events
+
+    truths = [t for _k, _v, t in labelled_events(ClickStream(0, 0), AvroEncoder(SCHEMA), 20_000)]
+    p_click, p_buy, clk, buy = np.array([(t.p_click, t.p_buy, t.clk, t.buy) for t in truths]).T
+    assert set(buy[clk == 0]) == {0.0}, "no purchase without a click"
+    assert 0.05 < buy[clk == 1].mean() < 0.25
+    aucs = bayes_aucs(p_click, p_buy, clk, buy)
+    assert aucs["clk"] >= 0.75 and aucs["buy"] > aucs["clk"] and aucs["buy_given_clk"] >= 0.7
+    # its own signal: over clicks, P(buy | click) ranks purchases far better than P(click) does
+    from streamtrain.metrics import roc_auc
+
+    assert roc_auc(p_buy[clk == 1], buy[clk == 1]) > roc_auc(p_click[clk == 1], buy[clk == 1]) + 0.1

@@ -100,7 +100,7 @@ def synthetic_batches(config: WorkerConfig, count: int, seed: int = 0) -> list[C
     from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
     from streamtrain.source import RawEvent
 
-    decoder = AvroBatchDecoder(config.features)
+    decoder = AvroBatchDecoder(config.features, tasks=config.tasks())
     size = config.batching.batch_size
     events = [
         RawEvent(0, i, value, 0)

@@ -1,10 +1,13 @@
 """A synthetic Taobao-like click stream with a planted signal, and a tool that writes it to Kafka.
 
-Labels are drawn from a fixed hidden logistic model, so a model that learns can beat AUC 0.5 by a
-wide margin, and the stream knows its own Bayes-optimal AUC: the AUC of the true click
-probabilities against the drawn labels. Ids follow Zipf-like frequencies, as real traffic does.
-An ad's category, campaign, advertiser, brand and price are fixed per ad group, and a user's
-profile is fixed per user, so the stream is consistent the way a click log is.
+Labels are drawn from fixed hidden logistic models, so a model that learns can beat AUC 0.5 by a
+wide margin, and the stream knows its own Bayes-optimal AUC: the AUC of the true probabilities
+against the drawn labels. A purchase (``buy``) only follows a click, with a logistic signal of its
+own that shares the category with the click's and adds price sensitivity and the user's spending
+levels, so its Bayes AUC is reported over all events and over clicks. Ids follow Zipf-like
+frequencies, as real traffic does. An ad's category, campaign, advertiser, brand and price are
+fixed per ad group, and a user's profile is fixed per user, so the stream is consistent the way a
+click log is.
 """
 
 from __future__ import annotations
@@ -48,6 +51,18 @@ class EventChunk:
     records: list[dict]
     click_probability: np.ndarray
     keys: list[bytes]
+    buy_probability: np.ndarray  # given a click
+
+
+def bayes_aucs(p_click: np.ndarray, p_buy: np.ndarray, clk: np.ndarray, buy: np.ndarray) -> dict[str, float]:
+    """The Bayes-optimal AUC of each label: the true probabilities against the drawn labels; buy's
+    over all events (P(click) P(buy | click)) and over the clicks alone (P(buy | click))."""
+    clicked = clk == 1
+    return {
+        "clk": roc_auc(p_click, clk),
+        "buy": roc_auc(p_click * p_buy, buy),
+        "buy_given_clk": roc_auc(p_buy[clicked], buy[clicked]),
+    }
 
 
 class ClickStream:
@@ -87,7 +102,16 @@ class ClickStream:
         self.w_log_price = -0.35
         self.w_recent_match = 1.3
         self.bias = -1.6
-        self.w_buy_bias = -2.0
+        # The purchase model, from a generator of its own so that the click stream of a seed (ids,
+        # clicks, bytes but for buy) stays what it was before purchases had a signal.
+        buy_rng = np.random.default_rng([seed, 1])
+        self.w_buy_cate = 0.6  # times the click's category effect: shared
+        self.w_buy_log_price = -0.7
+        self.w_buy_pvalue = buy_rng.normal(0.0, 0.6, 4)
+        self.w_buy_shopping = np.array([0.0, -0.6, 0.2, 0.8])
+        self.w_buy_age = buy_rng.normal(0.0, 0.4, 7)
+        self.w_buy_cate_own = buy_rng.normal(0.0, 0.5, CARDINALITY["cate_id"])
+        self.w_buy_bias = -2.8
 
     def chunk(self, size: int) -> EventChunk:
         rng = self.rng
@@ -117,7 +141,17 @@ class ClickStream:
         )
         p_click = 1.0 / (1.0 + np.exp(-logit))
         clk = (rng.random(size) < p_click).astype(np.int64)
-        buy = clk * (rng.random(size) < 1.0 / (1.0 + np.exp(-(self.w_buy_bias + 0.5 * logit))))
+        buy_logit = (
+            self.w_buy_bias
+            + self.w_buy_cate * self.w_cate[cate]
+            + self.w_buy_cate_own[cate]
+            + self.w_buy_log_price * (np.log1p(price) - 4.0)
+            + self.w_buy_pvalue[profile["pvalue_level"]]
+            + self.w_buy_shopping[profile["shopping_level"]]
+            + self.w_buy_age[profile["age_level"]]
+        )
+        p_buy = 1.0 / (1.0 + np.exp(-buy_logit))
+        buy = clk * (rng.random(size) < p_buy)
         if self.events_per_second:
             index = self.emitted + np.arange(size)
             event_time = self.start_time_ms + (index * 1000 / self.events_per_second).astype(np.int64)
@@ -147,7 +181,7 @@ class ClickStream:
                 }
             )
         keys = [b"%d" % u for u in users]
-        return EventChunk(records, p_click, keys)
+        return EventChunk(records, p_click, keys, p_buy)
 
 
 class AvroEncoder:
@@ -162,27 +196,49 @@ class AvroEncoder:
         return out.getvalue()
 
 
-def encoded_events(
+@dataclass(frozen=True)
+class Truth:
+    """What the stream knows about one event: its true probabilities and its drawn labels."""
+
+    p_click: float
+    p_buy: float  # given a click
+    clk: int
+    buy: int
+
+
+def labelled_events(
     stream: ClickStream, encoder: AvroEncoder, count: int, chunk_size: int = 4096
-) -> Iterator[tuple[bytes, bytes, float, int]]:
-    """(key, value, true click probability, clk) for ``count`` events.
+) -> Iterator[tuple[bytes, bytes, Truth]]:
+    """(key, value, truth) for ``count`` events.
 
     Chunks are always ``chunk_size`` long, so the first N events of a seed never depend on ``count``.
     """
     remaining = count
     while remaining > 0:
         chunk = stream.chunk(chunk_size)
-        for key, record, p in list(zip(chunk.keys, chunk.records, chunk.click_probability, strict=True))[:remaining]:
-            yield key, encoder.encode(record), float(p), record["clk"]
+        rows = zip(chunk.keys, chunk.records, chunk.click_probability, chunk.buy_probability, strict=True)
+        for key, record, p_click, p_buy in list(rows)[:remaining]:
+            yield key, encoder.encode(record), Truth(float(p_click), float(p_buy), record["clk"], record["buy"])
         remaining -= chunk_size
+
+
+def encoded_events(
+    stream: ClickStream, encoder: AvroEncoder, count: int, chunk_size: int = 4096
+) -> Iterator[tuple[bytes, bytes, float, int]]:
+    """(key, value, true click probability, clk) for ``count`` events (see ``labelled_events``)."""
+    for key, value, truth in labelled_events(stream, encoder, count, chunk_size):
+        yield key, value, truth.p_click, truth.clk
 
 
 @dataclass
 class ProduceReport:
     produced: int
     seconds: float
-    bayes_auc: float
+    bayes_auc: float  # the click's
     click_rate: float
+    # per label (clk; buy over all events; buy_given_clk over the clicks), see bayes_aucs
+    bayes_aucs: dict[str, float]
+    buy_rate: float
 
 
 def produce(
@@ -223,8 +279,7 @@ def produce(
     )
     stream = ClickStream(seed, start_time_ms, rate)
     encoder = AvroEncoder(schema_path)
-    probabilities = np.empty(count)
-    clicks = np.empty(count, dtype=np.int8)
+    truths: list[Truth] = []
     failures: list[str] = []
 
     def delivered(error, _message) -> None:
@@ -235,7 +290,7 @@ def produce(
         stream.start_time_ms = int(time.time() * 1000)
     started = last_report = time.monotonic()
     produced = 0
-    for key, value, p, clk in encoded_events(stream, encoder, count):
+    for key, value, truth in labelled_events(stream, encoder, count):
         if should_stop():
             break
         if rate:
@@ -254,7 +309,7 @@ def produce(
                 break
             except BufferError:  # the local queue is full: let librdkafka drain it
                 producer.poll(0.05)
-        probabilities[produced], clicks[produced] = p, clk
+        truths.append(truth)
         produced += 1
         producer.poll(0)
         now = time.monotonic()
@@ -265,15 +320,21 @@ def produce(
     if remaining or failures:
         raise RuntimeError(f"{remaining} events undelivered, {len(failures)} failed: {failures[:3]}")
     seconds = time.monotonic() - started
+    p_click, p_buy, clk, buy = np.array([(t.p_click, t.p_buy, t.clk, t.buy) for t in truths]).reshape(-1, 4).T
+    aucs = bayes_aucs(p_click, p_buy, clk, buy)
     report = ProduceReport(
         produced,
         seconds,
-        roc_auc(probabilities[:produced], clicks[:produced]),
-        float(clicks[:produced].mean()) if produced else 0.0,
+        aucs["clk"],
+        float(clk.mean()) if produced else 0.0,
+        aucs,
+        float(buy.mean()) if produced else 0.0,
     )
     if progress:
         progress(
             f"produced {produced:,} events to {topic} in {seconds:.1f}s; click rate "
-            f"{report.click_rate:.3f}; Bayes-optimal AUC of this stream {report.bayes_auc:.4f}"
+            f"{report.click_rate:.3f}; Bayes-optimal AUC of this stream {report.bayes_auc:.4f}; "
+            f"buy rate {report.buy_rate:.4f}, its Bayes-optimal AUC {aucs['buy']:.4f} over all events "
+            f"and {aucs['buy_given_clk']:.4f} over clicks"
         )
     return report
