@@ -14,7 +14,6 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from streamtrain.config import WorkerConfig
 from streamtrain.decode import ClickBatch
-from streamtrain.device import device_memory_bytes, host_memory_bytes, select_device
+from streamtrain.device import DistEnv, device_memory_bytes, host_memory_bytes
 from streamtrain.model import ClickModel
 
 log = logging.getLogger(__name__)
@@ -43,55 +42,6 @@ _SPARSE_OPTIMIZERS = {
     "adagrad": torch.optim.Adagrad,
     "sgd": torch.optim.SGD,
 }
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-
-
-# On GPUs the default group's NCCL watchdog aborts the process when a collective outlasts the
-# group's timeout. It must not fire before the lockstep vote (on its own gloo group, with the
-# configured timeout) has reported a dead or frozen peer, so the default group waits twice as long.
-NCCL_TIMEOUT_FACTOR = 2
-
-
-def process_group_options(device: torch.device, timeout_seconds: float) -> tuple[str, timedelta]:
-    """The default group's backend and timeout for ranks on ``device``.
-
-    torch applies ``init_process_group``'s one timeout to every backend of the group, so with
-    ``cpu:gloo,cuda:nccl`` its gloo half waits as long as NCCL; the lockstep vote and the snapshot
-    writes run on gloo groups of their own (``gloo_group``) with ``timeout_seconds``."""
-    if device.type == "cuda":  # async checkpoint saves need a CPU backend beside NCCL
-        return "cpu:gloo,cuda:nccl", timedelta(seconds=NCCL_TIMEOUT_FACTOR * timeout_seconds)
-    return "gloo", timedelta(seconds=timeout_seconds)
-
-
-def gloo_group(world_size: int, timeout_seconds: float) -> dist.ProcessGroup | None:
-    """A gloo group of all ranks beside the default one (None at one rank), for coordination that
-    must neither interleave with the pipeline's collectives nor wait on NCCL's longer timeout."""
-    if world_size == 1:
-        return None
-    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_seconds))
-
-
-def init_distributed(timeout_seconds: float = 60.0, device: str = "auto") -> DistEnv:
-    """Join the process group torchrun describes in the environment, or form one of size 1, on the
-    device ``select_device`` chooses for ``device`` (distributed.device)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    chosen = select_device(device, local_rank)
-    if chosen.type == "cuda":
-        torch.cuda.set_device(chosen)
-    backend, timeout = process_group_options(chosen, timeout_seconds)
-    if not dist.is_initialized():
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend, timeout=timeout)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, chosen)
 
 
 class StepReadout:

@@ -20,11 +20,12 @@ from streamtrain.checkpoint import EXIT_SNAPSHOTS_FAILING, Checkpointer, Snapsho
 from streamtrain.config import WorkerConfig
 from streamtrain.deadletter import Rejections
 from streamtrain.decode import AvroBatchDecoder
+from streamtrain.device import gloo_group, init_distributed
 from streamtrain.lockstep import Lockstep, SnapshotSchedule
 from streamtrain.metrics import Health, WorkerMetrics
 from streamtrain.registry import schema_source
 from streamtrain.source import KafkaSource
-from streamtrain.train import StepResult, Trainer, describe_plan, gloo_group, init_distributed, write_plan_json
+from streamtrain.train import StepResult, Trainer, describe_plan, write_plan_json
 
 log = logging.getLogger(__name__)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,6 +60,19 @@ class Schemas:
 
     def writer_schema(self, schema_id: int) -> dict | None:
         return self.schemas.get(schema_id)
+
+
+def prometheus_tool(name: str) -> str:
+    """The path of a binary of Debian's prometheus package. Missing, it skips on a developer's
+    machine but fails under CI, whose `make test` installs it: there a skip would hide that the
+    scraping and alert tests never ran."""
+    path = shutil.which(name)
+    if path is None:
+        message = (
+            f"{name}: Debian's prometheus package is not installed (make setup installs it with apt-get when it can)"
+        )
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(message)
+    return path
 
 
 def leave_spawned_rank() -> None:

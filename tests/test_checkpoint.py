@@ -22,8 +22,9 @@ from streamtrain.checkpoint import Checkpointer, CheckpointError, StreamState, l
 from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events, produce
+from streamtrain.device import init_distributed
 from streamtrain.source import RawEvent
-from streamtrain.train import Trainer, init_distributed
+from streamtrain.train import Trainer
 
 PARTITIONS = 4
 

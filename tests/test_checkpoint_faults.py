@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import REPO, SCHEMA, leave_spawned_rank
+from conftest import REPO, SCHEMA, leave_spawned_rank, prometheus_tool
 from streamtrain.checkpoint import (
     FINGERPRINT_VERSION,
     Checkpointer,
@@ -32,8 +32,9 @@ from streamtrain.checkpoint import (
 from streamtrain.config import parse_config
 from streamtrain.dev.kafka import free_port
 from streamtrain.dev.produce import produce
+from streamtrain.device import init_distributed
 from streamtrain.metrics import WorkerMetrics
-from streamtrain.train import Trainer, init_distributed
+from streamtrain.train import Trainer
 from test_checkpoint import batches, final_stream, weights  # noqa: F401 (batches: a fixture)
 from test_worker_kafka import end_offsets
 
@@ -193,9 +194,7 @@ def test_a_failed_snapshot_is_counted_removed_and_retried_until_max_consecutive(
 
 def test_stale_checkpoint_alert_fires_while_snapshots_fail_max_consecutive(tmp_path):
     """The alert rule itself, evaluated by promtool over series of a worker whose snapshots fail."""
-    promtool = shutil.which("promtool")
-    if promtool is None:
-        pytest.skip("promtool is not installed")
+    promtool = prometheus_tool("promtool")
     (tmp_path / "test.yml").write_text(
         yaml.safe_dump(
             {

@@ -18,8 +18,14 @@ from conftest import REPO, SMALL_CONFIG
 from streamtrain import device as device_module
 from streamtrain.cli import _LIBRARY_NOISE, main
 from streamtrain.config import ConfigError, load_config
-from streamtrain.device import fbgemm_variant, host_memory_bytes, select_device
-from streamtrain.train import NCCL_TIMEOUT_FACTOR, process_group_options, topology
+from streamtrain.device import (
+    NCCL_TIMEOUT_FACTOR,
+    fbgemm_variant,
+    host_memory_bytes,
+    process_group_options,
+    select_device,
+)
+from streamtrain.train import topology
 
 GIB = 2**30
 
@@ -88,19 +94,17 @@ def test_cuda_default_group_waits_longer_than_the_gloo_groups():
 
 def test_cuda_init_distributed_passes_the_nccl_timeout_to_the_default_group(monkeypatch):
     """init_distributed on a (simulated) GPU rank: the arguments it hands torch."""
-    import streamtrain.train as train
-
     calls = []
-    monkeypatch.setattr(train, "select_device", lambda choice, local_rank: torch.device("cuda", local_rank))
+    monkeypatch.setattr(device_module, "select_device", lambda choice, local_rank: torch.device("cuda", local_rank))
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.append(("set_device", device)))
-    monkeypatch.setattr(train.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(train.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
-    monkeypatch.setattr(train.dist, "get_rank", lambda: 1)
-    monkeypatch.setattr(train.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(device_module.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(device_module.dist, "init_process_group", lambda backend, **kw: calls.append((backend, kw)))
+    monkeypatch.setattr(device_module.dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(device_module.dist, "get_world_size", lambda: 2)
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    env = train.init_distributed(30, "cuda")
+    env = device_module.init_distributed(30, "cuda")
     assert env.device == torch.device("cuda", 1)
     assert calls == [
         ("set_device", torch.device("cuda", 1)),
@@ -113,7 +117,7 @@ def test_device_gloo_groups_are_created_with_the_configured_timeout():
     vote and the snapshot writes, read back from torch."""
     script = """
 import json, torch, torch.distributed as dist
-from streamtrain.train import gloo_group, init_distributed
+from streamtrain.device import gloo_group, init_distributed
 init_distributed(45)
 side = gloo_group(2, 45)  # as for 2 ranks; this process is the whole world
 cpu = torch.device("cpu")

@@ -23,9 +23,10 @@ from streamtrain.checkpoint import Checkpointer, CheckpointError, StreamState, s
 from streamtrain.config import BatchingConfig, parse_config
 from streamtrain.decode import AvroBatchDecoder, ClickBatch, DecodeResult, FastavroDecoder, PartitionSpan
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
+from streamtrain.device import init_distributed
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.source import RawEvent
-from streamtrain.train import StepReadout, StepResult, Trainer, init_distributed
+from streamtrain.train import StepReadout, StepResult, Trainer
 from streamtrain.worker import _Progress
 
 REPO = Path(__file__).resolve().parent.parent

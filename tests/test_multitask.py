@@ -16,9 +16,10 @@ from streamtrain.checkpoint import compatibility_fingerprint, fingerprint_differ
 from streamtrain.config import ConfigError, parse_config
 from streamtrain.decode import AvroBatchDecoder, FastavroDecoder
 from streamtrain.dev.produce import AvroEncoder, ClickStream
+from streamtrain.device import init_distributed
 from streamtrain.metrics import TaskQualities, WorkerMetrics, roc_auc
 from streamtrain.source import RawEvent
-from streamtrain.train import Trainer, init_distributed
+from streamtrain.train import Trainer
 from streamtrain.worker import _Progress
 
 REPO = Path(__file__).resolve().parent.parent

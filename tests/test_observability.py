@@ -4,7 +4,6 @@ Prometheus scraping a real worker on the real broker; and the health endpoints."
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -18,23 +17,13 @@ import pytest
 import yaml
 from confluent_kafka import Producer
 
-from conftest import REPO, SCHEMA
+from conftest import REPO, SCHEMA, prometheus_tool
 from streamtrain.dev.kafka import create_topic, free_port
 from streamtrain.dev.produce import produce
 
 DEPLOY = REPO / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "streamtrain.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
-NO_PROMETHEUS = "Debian's prometheus package is not installed (make setup installs it with apt-get when it can)"
-
-
-def tool(name: str) -> str:
-    """The binary's path. Missing, it skips on a developer's machine, but fails under CI, whose
-    `make test` installs it: there a skip would hide that the scraping tests never ran."""
-    path = shutil.which(name)
-    if path is None:
-        (pytest.fail if os.environ.get("CI") else pytest.skip)(NO_PROMETHEUS)
-    return path
 
 
 def dashboard_queries() -> list[str]:
@@ -60,7 +49,7 @@ def alert_rules() -> list[dict]:
 
 
 def test_promtool_accepts_the_shipped_config_and_rules():
-    promtool = tool("promtool")
+    promtool = prometheus_tool("promtool")
     for args in (["check", "config", str(DEPLOY / "prometheus" / "prometheus.yml")], ["check", "rules", str(ALERTS)]):
         result = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60)
         assert result.returncode == 0, result.stdout + result.stderr
@@ -128,7 +117,7 @@ class Prometheus:
         self.log = open(tmp_path / "prometheus.log", "wb")  # noqa: SIM115 - Prometheus writes it until stopped
         self.process = subprocess.Popen(
             [
-                tool("prometheus"),
+                prometheus_tool("prometheus"),
                 f"--config.file={config}",
                 f"--storage.tsdb.path={tmp_path / 'tsdb'}",
                 f"--web.listen-address=127.0.0.1:{self.port}",
@@ -151,7 +140,7 @@ class Prometheus:
 
 @pytest.mark.integration
 def test_every_dashboard_query_and_alert_works_on_a_live_prometheus(kafka, topic_name, start_worker, tmp_path):
-    tool("prometheus")
+    prometheus_tool("prometheus")
     produce(kafka.bootstrap_servers, topic_name, 20_000, partitions=4, seed=51, schema_path=SCHEMA)
     create_topic(kafka.bootstrap_servers, topic_name + ".dlq", 1)  # where the undecodable payloads go
     garbage = Producer({"bootstrap.servers": kafka.bootstrap_servers})

@@ -9,8 +9,9 @@ import yaml
 from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
+from streamtrain.device import init_distributed
 from streamtrain.source import RawEvent
-from streamtrain.train import Trainer, init_distributed
+from streamtrain.train import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 

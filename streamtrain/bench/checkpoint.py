@@ -35,7 +35,8 @@ def bench_checkpoint(
     """Training throughput with an async snapshot every ``interval_seconds`` against none,
     in alternating legs on one trainer and the same batches."""
     from streamtrain.checkpoint import Checkpointer, StreamState
-    from streamtrain.train import Trainer, init_distributed
+    from streamtrain.device import init_distributed
+    from streamtrain.train import Trainer
 
     env = init_distributed(device=config.distributed.device)
     trainer = Trainer(config, env)

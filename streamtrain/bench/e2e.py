@@ -248,7 +248,8 @@ def limit_rank(config: str, events: int, min_seconds: float) -> dict:
 
     from streamtrain.bench.common import synthetic_batches, train_for
     from streamtrain.config import load_config
-    from streamtrain.train import Trainer, init_distributed
+    from streamtrain.device import init_distributed
+    from streamtrain.train import Trainer
 
     worker_config = load_config(config)
     env = init_distributed(device=worker_config.distributed.device)

@@ -36,8 +36,8 @@ from streamtrain.bench.common import clock
 from streamtrain.bench.record import RunRecorder
 from streamtrain.config import FeaturesConfig, ModelConfig, load_config
 from streamtrain.decode import _as_id_array, map_ids
+from streamtrain.device import init_distributed
 from streamtrain.schema import load_schema, without_logical_types
-from streamtrain.train import init_distributed
 
 
 class NaiveDLRM(nn.Module):

@@ -64,7 +64,8 @@ def rank_main(config: str, steps: int, rounds: int) -> dict:
 
     from streamtrain.bench.common import clock, synthetic_batches, train_for
     from streamtrain.config import load_config
-    from streamtrain.train import Trainer, init_distributed
+    from streamtrain.device import init_distributed
+    from streamtrain.train import Trainer
 
     worker_config = load_config(config)
     env = init_distributed(device=worker_config.distributed.device)

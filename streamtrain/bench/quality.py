@@ -161,8 +161,9 @@ def _train_and_score(
 ) -> dict[str, Any]:
     import torch
 
+    from streamtrain.device import init_distributed
     from streamtrain.metrics import TaskQualities, roc_auc
-    from streamtrain.train import Trainer, init_distributed
+    from streamtrain.train import Trainer
 
     names = [t.name for t in config.tasks()]
     trainer = Trainer(config, init_distributed(device=config.distributed.device))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from streamtrain.bench.common import clock, machine, rate_text
 from streamtrain.config import load_config
-from streamtrain.train import init_distributed
+from streamtrain.device import init_distributed
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
