@@ -300,8 +300,12 @@ def run_worker(
     return exit_code
 
 
-# Where a plain RuntimeError comes from when it is a collective's failure.
-_COLLECTIVE_MODULES = ("torch.distributed.", "torchrec.distributed.")
+# Where a plain RuntimeError comes from when it is a collective's failure. The backward pass's
+# collectives (DDP's gradient all-reduce, run in C++ by the autograd engine) raise from the engine's
+# Python entry point, torch.autograd.graph: a peer that died mid-backward surfaces there (seen with
+# two torchrun nodes, one killed). A local error in a C++ backward kernel would be reported as a
+# peer's too; it exits 1 either way, with its message in the log.
+_COLLECTIVE_MODULES = ("torch.distributed.", "torchrec.distributed.", "torch.autograd.graph")
 
 
 def _is_collective_failure(error: RuntimeError) -> bool:
