@@ -17,59 +17,40 @@ def results_in_tmp(tmp_path, monkeypatch):
     monkeypatch.setenv("STREAMTRAIN_BENCH_RESULTS", str(tmp_path / "results"))
 
 
-def test_checkpoint_benchmark_runs_and_reports_a_ratio_and_its_device(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "streamtrain", "bench", "checkpoint", "--quick", "--config", str(SMALL_CONFIG)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "ratio" in result.stdout
-    saved = json.loads(Path(result.stdout.split("results: ")[1].strip()).read_text())
-    assert saved["snapshots"] >= 1 and saved["baseline_events_per_second"] > 0 and saved["ratio"] > 0
-    assert saved["device"] == "cpu" and "both legs on cpu" in result.stdout
-
-
-def test_train_step_benchmark_runs_both_paths_on_the_workers_device_and_reports_a_ratio():
-    result = subprocess.run(
-        [sys.executable, "-m", "streamtrain", "bench", "train-step", "--quick"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    saved = json.loads(Path(result.stdout.split("results: ")[1].strip()).read_text())
-    (row,) = saved["sizes"]
-    assert row["per_feature_events_per_second"] > 0 and row["fused_events_per_second"] > 0
-    assert row["ratio"] == row["fused_events_per_second"] / row["per_feature_events_per_second"]
-    assert row["device"] == "cpu" and saved["machine"]["device"] == "cpu"  # fbgemm-gpu-cpu: CPU, GPU or not
-    assert re.search(r"B=512 F=4 D=8 rows=10,000 +cpu ", result.stdout)
-
-
-@pytest.mark.integration  # starts its own broker
-def test_memory_benchmark_samples_the_workers_rss():
-    result = subprocess.run(
-        [sys.executable, "-m", "streamtrain", "bench", "memory", "--quick", "--config", str(SMALL_CONFIG)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    saved = json.loads(Path(result.stdout.split("results: ")[1].strip()).read_text())
-    assert len(saved["samples"]) >= 10 and all(rss > 0 for _t, rss in saved["samples"])
-    assert "events trained" in saved["worker_summary"]
-
-
-def _bench(*args: str, timeout: float = 300) -> dict:
+def _run_bench(*args: str, timeout: float = 300) -> tuple[dict, str]:
+    """``streamtrain bench ARGS``, which must succeed: the JSON it saved, and what it printed."""
     result = subprocess.run(
         [sys.executable, "-m", "streamtrain", "bench", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(Path(result.stdout.split("results: ")[1].strip()).read_text())
+    return json.loads(Path(result.stdout.split("results: ")[1].strip()).read_text()), result.stdout
+
+
+def _bench(*args: str, timeout: float = 300) -> dict:
+    return _run_bench(*args, timeout=timeout)[0]
+
+
+def test_checkpoint_benchmark_runs_and_reports_a_ratio_and_its_device(tmp_path):
+    saved, printed = _run_bench("checkpoint", "--quick", "--config", str(SMALL_CONFIG))
+    assert "ratio" in printed
+    assert saved["snapshots"] >= 1 and saved["baseline_events_per_second"] > 0 and saved["ratio"] > 0
+    assert saved["device"] == "cpu" and "both legs on cpu" in printed
+
+
+def test_train_step_benchmark_runs_both_paths_on_the_workers_device_and_reports_a_ratio():
+    saved, printed = _run_bench("train-step", "--quick")
+    (row,) = saved["sizes"]
+    assert row["per_feature_events_per_second"] > 0 and row["fused_events_per_second"] > 0
+    assert row["ratio"] == row["fused_events_per_second"] / row["per_feature_events_per_second"]
+    assert row["device"] == "cpu" and saved["machine"]["device"] == "cpu"  # fbgemm-gpu-cpu: CPU, GPU or not
+    assert re.search(r"B=512 F=4 D=8 rows=10,000 +cpu ", printed)
+
+
+@pytest.mark.integration  # starts its own broker
+def test_memory_benchmark_samples_the_workers_rss():
+    saved = _bench("memory", "--quick", "--config", str(SMALL_CONFIG))
+    assert len(saved["samples"]) >= 10 and all(rss > 0 for _t, rss in saved["samples"])
+    assert "events trained" in saved["worker_summary"]
 
 
 @pytest.mark.integration  # starts its own broker
@@ -200,16 +181,8 @@ def test_throughput_excludes_the_warm_up_and_counts_from_its_end_to_the_last_eve
 
 
 def test_decode_benchmark_runs_both_decoders_and_reports_a_ratio_on_the_cpu_device():
-    result = subprocess.run(
-        [sys.executable, "-m", "streamtrain", "bench", "decode", "--quick"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "ratio" in result.stdout
-    saved = json.loads(Path(result.stdout.split("results: ")[1].strip()).read_text())
+    saved, printed = _run_bench("decode", "--quick")
+    assert "ratio" in printed
     assert saved["baseline_events_per_second"] > 0 and saved["compiled_events_per_second"] > 0
     assert saved["ratio"] == saved["compiled_events_per_second"] / saved["baseline_events_per_second"]
     assert saved["first_call_seconds"] > 0
@@ -217,15 +190,7 @@ def test_decode_benchmark_runs_both_decoders_and_reports_a_ratio_on_the_cpu_devi
 
 
 def test_quality_benchmark_reports_each_tasks_progressive_holdout_and_bayes_auc_per_architecture():
-    result = subprocess.run(
-        [sys.executable, "-m", "streamtrain", "bench", "quality", "--quick", "--config", str(SMALL_CONFIG)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    saved = json.loads(Path(result.stdout.split("results: ")[1].strip()).read_text())
+    saved = _bench("quality", "--quick", "--config", str(SMALL_CONFIG))
     assert set(saved["architectures"]) == {"clk_alone", "shared_bottom", "mmoe"}
     assert set(saved["architectures"]["clk_alone"]["tasks"]) == {"clk"}
     for name in ("shared_bottom", "mmoe"):
