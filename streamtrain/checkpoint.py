@@ -488,6 +488,8 @@ class Checkpointer:
             "stream": json.loads(stream.to_json()),
             "world_size": self.world_size,
             "fingerprint": self.fingerprint,
+            # what `streamtrain export` rebuilds the model and its decoder from
+            "config": self.worker_config.model_record(),
             "versions": {
                 "torch": torch.__version__,
                 "torchrec": _version("torchrec"),

@@ -407,6 +407,15 @@ class WorkerConfig(_Strict):
             )
         return self
 
+    def model_record(self) -> dict[str, Any]:
+        """What gives a snapshot's tensors their meaning, for a snapshot's marker and a servable
+        base: the features and model sections and the topic, without hosts, client properties or
+        paths to secrets (a base leaves the cluster the worker ran in)."""
+        features = self.features.model_dump(mode="json", exclude={"schema_registry"})
+        if self.features.schema_registry is not None:
+            features["schema_registry"] = {"url": self.features.schema_registry.url}
+        return {"kafka": {"topic": self.kafka.topic}, "features": features, "model": self.model.model_dump(mode="json")}
+
     def tasks(self) -> list[TaskConfig]:
         """The tasks trained, in head order: model.tasks, else the one on features.label."""
         return list(self.model.tasks) if self.model.tasks is not None else default_tasks(self.features)

@@ -1,0 +1,394 @@
+"""A servable base: a training snapshot (any number of ranks) as one program a plain CPU process
+loads and scores, without a process group, TorchRec's sharded stack or the training world size.
+
+``export_snapshot`` flattens the snapshot with DCP's ``dcp_to_torch_save`` (no process group),
+loads it into an unsharded ``ClickModel`` on the CPU, and ``torch.export``s its scoring path with a
+dynamic batch dimension (and a dynamic number of ids). The base is ``model.pt2`` plus
+``manifest.json`` (docs/delivery.md lists its fields), with the reader schema and any writer
+schemas beside them, so a server decodes events with the worker's own decoder, exactly as training
+did. It is written as ``base-<version>.partial/``, renamed, and only then is ``current.json``
+pointed at it; the last ``keep`` bases stay.
+
+``ServableModel`` loads a base and scores ``ClickBatch``es; ``apply`` writes a delta's rows and
+dense values into the loaded program's parameters in place (the unlifted module's parameters are
+the tensors its graph reads, so an in-place write is what the next score sees).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torchrec import EmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+import streamtrain
+from streamtrain.checkpoint import MARKER, SnapshotInfo, list_snapshots, verify_snapshot
+from streamtrain.config import FeaturesConfig, ModelConfig, TaskConfig, default_tasks
+from streamtrain.decode import ClickBatch
+from streamtrain.delivery.deltas import Delta
+from streamtrain.model import ClickModel, embedding_configs
+from streamtrain.schema import load_schema
+
+log = logging.getLogger(__name__)
+
+CURRENT = "current.json"
+MANIFEST = "manifest.json"
+PROGRAM = "model.pt2"
+READER_SCHEMA = "reader.avsc"
+WRITER_SCHEMAS = "writer_schemas"
+MANIFEST_FORMAT = 1
+_PARTIAL = ".partial"
+_TABLE_FIELDS = {"name", "field", "num_embeddings", "embedding_dim", "pooling", "id_mapping"}
+_EMBEDDINGS = "dlrm.sparse_arch.embedding_bag_collection.embedding_bags.{}.weight"
+
+
+class ExportError(RuntimeError):
+    """A snapshot that cannot become a base; the message says why and what to do."""
+
+
+def base_name(version: int) -> str:
+    return f"base-{version:06d}"
+
+
+class ScoringModule(nn.Module):
+    """What is exported: the trained DLRM (and its heads) on plain tensors, returning click
+    probabilities [B, tasks]. Plain tensors in, since a KeyedJaggedTensor is no input a serving
+    runtime can build; the KJT is made inside, from the table order the decoder keys by."""
+
+    def __init__(self, model: ClickModel, keys: list[str]):
+        super().__init__()
+        self.dlrm = model.dlrm  # same attribute name: parameter names stay the snapshot's
+        self.keys = keys
+
+    def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths)
+        logits = self.dlrm(dense, sparse)
+        return torch.sigmoid(logits).reshape(dense.shape[0], -1)
+
+
+def servable_config(record: dict[str, Any]) -> tuple[FeaturesConfig, ModelConfig, list[TaskConfig]]:
+    """The feature config, model config and tasks of a snapshot marker's (or manifest's) ``config``."""
+    features = FeaturesConfig.model_validate(record["features"])
+    model = ModelConfig.model_validate(record["model"])
+    tasks = list(model.tasks) if model.tasks is not None else default_tasks(features)
+    return features, model, tasks
+
+
+def model_id(record: dict[str, Any]) -> str:
+    """The model's id in bases and deltas: ``delivery.model_id`` when the config sets one, else the topic."""
+    return str((record.get("delivery") or {}).get("model_id") or record["kafka"]["topic"])
+
+
+def _find_snapshot(checkpoint_dir: str, step: int | None) -> SnapshotInfo:
+    name = checkpoint_dir.rstrip("/").rsplit("/", 1)[-1]
+    candidates = [verify_snapshot(checkpoint_dir)] if name.startswith("step-") else list_snapshots(checkpoint_dir)
+    complete = [s for s in candidates if s.complete and (step is None or s.step == step)]
+    if not complete:
+        found = ", ".join(f"step {s.step} ({'complete' if s.complete else s.problem})" for s in candidates) or "none"
+        wanted = f" at step {step}" if step is not None else ""
+        raise ExportError(
+            f"{checkpoint_dir} holds no complete snapshot{wanted} (found: {found}); pass a checkpoint.path or a "
+            f"step-<N> folder, and --step only for a step it holds"
+        )
+    return complete[0]
+
+
+def _next_version(out_dir: Path) -> int:
+    versions = [int(p.name[5:]) for p in out_dir.glob("base-*") if p.name[5:].isdigit()]
+    current = read_current(out_dir)
+    if current is not None:
+        versions.append(int(current["version"]))
+    return max(versions, default=0) + 1
+
+
+def read_current(out_dir: Path) -> dict[str, Any] | None:
+    """``current.json``'s content ({"version", "path"}), or None when no base is published."""
+    try:
+        return dict(json.loads((out_dir / CURRENT).read_text()))
+    except FileNotFoundError:
+        return None
+
+
+def _flatten(snapshot: SnapshotInfo) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="streamtrain-export-") as scratch:
+        flat = Path(scratch) / "snapshot.pt"
+        dcp_to_torch_save(snapshot.path, flat)
+        return dict(torch.load(flat, map_location="cpu", weights_only=False))
+
+
+def unsharded_model(features: FeaturesConfig, model: ModelConfig, tasks: list[TaskConfig]) -> ClickModel:
+    """A ``ClickModel`` wholly on the CPU: its tables are built on the meta device for sharding,
+    so they are rebuilt here, to be filled by ``load_state_dict``."""
+    click = ClickModel(features, model, tasks, torch.device("cpu"))
+    click.dlrm.sparse_arch.embedding_bag_collection = EmbeddingBagCollection(
+        tables=embedding_configs(features), device=torch.device("cpu")
+    )
+    return click.eval()
+
+
+def _example(features: FeaturesConfig, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs in the decoder's dtypes: float32 dense, int64 ids, int32 lengths (one id per event and table)."""
+    tables = len(features.tables)
+    return (
+        torch.zeros(batch, len(features.dense), dtype=torch.float32),
+        torch.zeros(batch * tables, dtype=torch.int64),
+        torch.ones(batch * tables, dtype=torch.int32),
+    )
+
+
+def export_program(module: ScoringModule, features: FeaturesConfig) -> torch.export.ExportedProgram:
+    batch = torch.export.Dim("batch", min=2, max=1 << 20)
+    ids = torch.export.Dim("ids", min=1, max=1 << 30)
+    tables = len(features.tables)
+    # lengths hold one entry per (table, event): their size is tables x batch, not a free dimension.
+    shapes = {"dense": {0: batch}, "values": {0: ids}, "lengths": {0: tables * batch}}
+    with torch.no_grad():
+        return torch.export.export(module, _example(features, 3), dynamic_shapes=shapes, strict=False)
+
+
+def export_snapshot(
+    checkpoint_dir: str | Path,
+    step: int | None,
+    out_dir: str | Path,
+    version: int | None = None,
+    new_chain: bool = False,
+    keep: int = 3,
+    config_record: dict[str, Any] | None = None,
+) -> Path:
+    """Publish the snapshot at ``step`` (the newest complete one when None) under ``out_dir`` as
+    base ``version`` (one past the newest there when None); returns the base's folder.
+
+    ``config_record``: the config sections (``features``, ``model``) to use when the snapshot's
+    marker carries none (snapshots written before markers held the config)."""
+    started = time.monotonic()
+    snapshot = _find_snapshot(str(checkpoint_dir), step)
+    marker = snapshot.metadata or {}
+    record = marker.get("config") or config_record
+    if record is None:
+        raise ExportError(
+            f"{snapshot.path}/{MARKER} holds no config (written before snapshots carried it): pass the "
+            f"worker's config with --config"
+        )
+    features, model_config, tasks = servable_config(record)
+    flat = _flatten(snapshot)
+    click = unsharded_model(features, model_config, tasks)
+    missing, unexpected = click.load_state_dict(flat["model"], strict=False)
+    if missing or unexpected:
+        raise ExportError(
+            f"{snapshot.path} does not fit its own config: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
+        )
+    module = ScoringModule(click, [t.name for t in features.tables])
+    program = export_program(module, features)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    version = _next_version(out) if version is None else version
+    stream = marker["stream"]
+    delivery = stream.get("delivery") or {}
+    # A snapshot without a delivery entry predates delivery (or the worker's first delta): a new chain.
+    chain = version if new_chain or "chain" not in delivery else int(delivery["chain"])
+    sequence = int(delivery.get("next_sequence", 0))
+    name = base_name(version)
+    partial = out / (name + _PARTIAL)
+    if partial.exists():  # left by an export that crashed
+        shutil.rmtree(partial)
+    partial.mkdir()
+    torch.export.save(program, partial / PROGRAM)
+    reader = load_schema(features.resolved_schema_path())
+    (partial / READER_SCHEMA).write_text(json.dumps(reader))
+    features_record = dict(record["features"])
+    features_record["schema_path"] = READER_SCHEMA
+    if features.wire_format == "confluent" and features.writer_schemas_dir is not None:
+        shutil.copytree(features.resolved_writer_schemas_dir(), partial / WRITER_SCHEMAS)
+        features_record["writer_schemas_dir"] = WRITER_SCHEMAS
+    signature = program.graph_signature
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "model_id": model_id(record),
+        "base_version": version,
+        "chain": chain,
+        "delta_sequence": sequence,
+        "step": int(stream["step"]),
+        "next_offsets": stream["next_offsets"],
+        "trained": stream["trained"],
+        "event_time_high_water_ms": int(stream["event_time_high_water_ms"]),
+        # When the snapshot's cut was taken (its commit less the save): deltas after it were
+        # published later, so a server replaying a delta topic from this base seeks there.
+        "cut_wall_time_ms": int((float(marker["wall_time"]) - float(marker.get("save_seconds", 0))) * 1000),
+        "created_at": time.time(),
+        "source_snapshot": snapshot.path,
+        "world_size": marker.get("world_size"),
+        "config": {**record, "features": features_record},
+        "tables": [t.model_dump(mode="json", include=_TABLE_FIELDS) for t in features.tables],
+        "dense": [d.model_dump(mode="json") for d in features.dense],
+        "tasks": [t.name for t in tasks],
+        "reader_schema": reader,
+        "versions": {
+            **marker.get("versions", {}),
+            "streamtrain": getattr(streamtrain, "__version__", _own_version()),
+            "export_torch": torch.__version__,
+        },
+        "parameters": {
+            "tables": {t.name: _EMBEDDINGS.format(t.name) for t in features.tables},
+            "dense": {name: name for name in signature.parameters if not name.startswith("dlrm.sparse_arch.")},
+        },
+    }
+    (partial / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    final = out / name
+    if final.exists():  # a re-export of the same version replaces it, before the pointer names it
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    _point_current(out, version, name)
+    _retain(out, keep)
+    log.info(
+        "exported %s (step %d, chain %d, deltas from %d) to %s in %.1fs",
+        snapshot.path,
+        manifest["step"],
+        chain,
+        sequence,
+        final,
+        time.monotonic() - started,
+    )
+    return final
+
+
+def _own_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("streamtrain")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _point_current(out: Path, version: int, name: str) -> None:
+    temporary = out / (CURRENT + ".tmp")
+    temporary.write_text(json.dumps({"version": version, "path": name}))
+    os.replace(temporary, out / CURRENT)
+
+
+def _retain(out: Path, keep: int) -> None:
+    current = read_current(out)
+    bases = sorted(p for p in out.glob("base-*") if p.is_dir() and p.name[5:].isdigit())
+    kept = {p.name for p in bases[-keep:]} | ({current["path"]} if current else set())
+    for base in bases:
+        if base.name not in kept:
+            shutil.rmtree(base, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    raw: dict[str, Any]
+    features: FeaturesConfig
+    tasks: list[TaskConfig]
+
+    @property
+    def base_version(self) -> int:
+        return int(self.raw["base_version"])
+
+    @property
+    def chain(self) -> int:
+        return int(self.raw["chain"])
+
+    @property
+    def delta_sequence(self) -> int:
+        return int(self.raw["delta_sequence"])
+
+
+def read_manifest(base_dir: Path) -> Manifest:
+    raw = json.loads((base_dir / MANIFEST).read_text())
+    record = raw["config"]
+    features_record = dict(record["features"])
+    # The schemas travel inside the base: resolve them there, wherever the server runs.
+    features_record["schema_path"] = str(base_dir / features_record["schema_path"])
+    if features_record.get("writer_schemas_dir") == WRITER_SCHEMAS:
+        features_record["writer_schemas_dir"] = str(base_dir / WRITER_SCHEMAS)
+    features, _model, tasks = servable_config({**record, "features": features_record})
+    return Manifest(raw, features, tasks)
+
+
+def _twice(
+    dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A one-event batch as two copies of its event (lengths are table-major: one per table)."""
+    segments = torch.split(values, lengths.tolist())
+    return (
+        dense.repeat(2, 1),
+        torch.cat([part for segment in segments for part in (segment, segment)]),
+        lengths.repeat_interleave(2),
+    )
+
+
+class DeltaMismatch(ValueError):
+    """A delta that names a table, parameter or shape this base does not have."""
+
+
+class ServableModel:
+    """A base loaded for scoring in this process: no process group, no DMP."""
+
+    def __init__(self, base_dir: str | Path):
+        self.path = Path(base_dir)
+        self.manifest = read_manifest(self.path)
+        self.program = torch.export.load(self.path / PROGRAM)
+        self.module = self.program.module()
+        parameters = dict(self.module.named_parameters())
+        names = self.manifest.raw["parameters"]
+        self.tables = {table: parameters[name] for table, name in names["tables"].items()}
+        self.dense = {state_name: parameters[name] for state_name, name in names["dense"].items()}
+
+    def score(self, batch: ClickBatch) -> np.ndarray:
+        """Click probabilities [B, tasks], in the manifest's task order."""
+        if batch.size == 0:
+            return np.zeros((0, len(self.manifest.tasks)), dtype=np.float32)
+        sparse = batch.sparse_features
+        dense, values, lengths = batch.dense_features, sparse.values(), sparse.lengths().to(torch.int32)
+        if batch.size == 1:
+            # The exported program guards its batch dimension at 2 and more (export specialises a
+            # size of 1); one event is scored as two copies of itself, each row on its own.
+            dense, values, lengths = _twice(dense, values, lengths)
+        with torch.no_grad():
+            probabilities = self.module(dense, values, lengths)
+        return probabilities[: batch.size].numpy()
+
+    def apply(self, delta: Delta) -> None:
+        """Writes the delta's rows and dense values into the parameters. Checks every piece first,
+        so a delta that does not fit this base changes nothing."""
+        for row in delta.rows:
+            table = self.tables.get(row.table)
+            if table is None:
+                raise DeltaMismatch(f"delta {delta.id.sequence} names table {row.table!r}, not in this base")
+            width = row.values.shape[1]
+            rows, dim = table.shape
+            if row.column + width > dim or (len(row.ids) and (row.ids.min() < 0 or row.ids.max() >= rows)):
+                raise DeltaMismatch(f"delta {delta.id.sequence}: rows of {row.table} outside its {rows} x {dim} weight")
+        for piece in delta.dense:
+            parameter = self.dense.get(piece.name)
+            if parameter is None:
+                raise DeltaMismatch(f"delta {delta.id.sequence} names dense parameter {piece.name!r}, not in this base")
+            if tuple(parameter.shape) != tuple(piece.shape) or piece.offset + piece.values.size > parameter.numel():
+                raise DeltaMismatch(
+                    f"delta {delta.id.sequence}: {piece.name} is {tuple(parameter.shape)} here, "
+                    f"{tuple(piece.shape)} in the delta"
+                )
+        with torch.no_grad():
+            for row in delta.rows:
+                table = self.tables[row.table]
+                width = row.values.shape[1]
+                ids = torch.from_numpy(np.asarray(row.ids, dtype=np.int64))
+                table[ids, row.column : row.column + width] = torch.from_numpy(np.array(row.values, np.float32))
+            for piece in delta.dense:
+                flat = self.dense[piece.name].view(-1)
+                end = piece.offset + piece.values.size
+                flat[piece.offset : end] = torch.from_numpy(np.array(piece.values, np.float32))
