@@ -224,6 +224,47 @@ def _checkpoints(args: argparse.Namespace) -> int:
     return 0 if snapshot.complete else 1
 
 
+def _export(args: argparse.Namespace) -> int:
+    from streamtrain.delivery.artifact import ExportError, export_snapshot
+
+    record = None
+    if args.config is not None:
+        from streamtrain.config import load_config
+
+        record = load_config(args.config).model_record()
+    try:
+        base = export_snapshot(
+            args.checkpoint, args.step, args.out, args.version, args.new_chain, args.keep, config_record=record
+        )
+    except ExportError as error:
+        print(f"streamtrain: {error}", file=sys.stderr)
+        return 1
+    print(base)
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from streamtrain.delivery.serve import DeltaSource, DirectoryDeltas, KafkaDeltas, ScoringServer
+
+    deltas: DeltaSource | None = None
+    if args.deltas:
+        if not args.bootstrap_servers:
+            print("streamtrain: --deltas TOPIC needs --bootstrap-servers HOST:PORT", file=sys.stderr)
+            return 2
+        deltas = KafkaDeltas(args.bootstrap_servers, args.deltas)
+    elif args.delta_dir:
+        deltas = DirectoryDeltas(args.delta_dir)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    server = ScoringServer(args.model, deltas, args.host, args.port, args.base_wait_seconds, args.base_wait_seconds)
+    server.start()
+    print(f"serving {args.model} on http://{args.host}:{server.port} (POST /score, /readyz, /metrics)", flush=True)
+    stop.wait()
+    server.stop()
+    return 0
+
+
 def _bench(args: argparse.Namespace) -> int:
     from streamtrain import bench
 
@@ -376,6 +417,56 @@ def build_parser() -> argparse.ArgumentParser:
     checkpoints.add_argument("action", choices=["list", "inspect"])
     checkpoints.add_argument("path", type=str)
     checkpoints.set_defaults(run=_checkpoints)
+
+    export = commands.add_parser(
+        "export",
+        help="turn a snapshot (any number of ranks) into a servable base",
+        description="Flatten a snapshot, export the unsharded model with torch.export (a dynamic batch "
+        "dimension) and publish it under --out as base-<version>/ (model.pt2, manifest.json, schemas), "
+        "then point --out/current.json at it. It loads in one CPU process: no process group, no TorchRec "
+        "sharding. See the README's Model delivery.",
+    )
+    export.add_argument(
+        "--checkpoint", required=True, help="a checkpoint.path (its newest complete snapshot) or a step-<N> folder"
+    )
+    export.add_argument("--step", type=int, help="export the snapshot of this step (default: the newest)")
+    export.add_argument("--out", required=True, type=Path, help="the bases' folder (delivery.path)")
+    export.add_argument("--version", type=int, help="this base's version (default: one past the newest under --out)")
+    export.add_argument(
+        "--new-chain",
+        action="store_true",
+        help="start a delta chain at this base (a worker's start); default: the snapshot's own chain",
+    )
+    export.add_argument("--keep", type=_count, default=3, help="keep the newest K bases (default 3)")
+    export.add_argument(
+        "--config",
+        type=Path,
+        help="the worker's YAML config, for a snapshot written before snapshots carried their config",
+    )
+    export.set_defaults(run=_export)
+
+    serve = commands.add_parser(
+        "serve",
+        help="score events over HTTP with the newest base, following its deltas",
+        description="Load the newest base under --model (current.json) and apply the deltas of its chain in order, "
+        "from a Kafka topic (--deltas) or a folder (--delta-dir); a gap or a newer chain reloads the newest "
+        "base. POST /score takes events as base64 Avro (the topic's wire format) or JSON objects; "
+        "/healthz, /readyz and /metrics (Prometheus) too. See the README's Model delivery.",
+    )
+    serve.add_argument("--model", required=True, type=Path, help="the bases' folder (what export wrote to --out)")
+    source = serve.add_mutually_exclusive_group()
+    source.add_argument("--deltas", metavar="TOPIC", help="the delta topic (delivery.topic)")
+    source.add_argument("--delta-dir", type=Path, help="the delta folder, for a worker with a directory target")
+    serve.add_argument("--bootstrap-servers", metavar="HOST:PORT", help="the Kafka brokers of --deltas")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8500, help="the HTTP port (default 8500; 0: any free port)")
+    serve.add_argument(
+        "--base-wait-seconds",
+        type=float,
+        default=60.0,
+        help="how long to wait for a base: at start, and after a gap in the deltas (default 60)",
+    )
+    serve.set_defaults(run=_serve)
 
     bench = commands.add_parser(
         "bench",
