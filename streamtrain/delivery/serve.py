@@ -375,13 +375,44 @@ class Scorer:
         self.avro = AvroBatchDecoder(features, schema_source(features), self.tasks)
         raw = features.model_copy(update={"wire_format": "raw", "schema_registry": None, "writer_schemas_dir": None})
         self.json = AvroBatchDecoder(raw, None, self.tasks)
-        self.schema = fastavro.parse_schema(manifest.raw["reader_schema"])
-        self.fillers = {t.label: 0 for t in self.tasks} | {features.event_time: 0}
+        reader = manifest.raw["reader_schema"]
+        self.schema = fastavro.parse_schema(reader)
+        # A JSON event names the fields the features read; the others (labels not known yet, the
+        # event time, fields no feature uses) may be left out, and are written as placeholders.
+        read = {t.field.split(".")[0] for t in features.tables} | {d.field.split(".")[0] for d in features.dense}
+        self.placeholders = {f["name"]: _placeholder(f["type"]) for f in reader["fields"] if f["name"] not in read}
 
     def encode_json(self, event: dict[str, Any]) -> bytes:
         out = io.BytesIO()
-        fastavro.schemaless_writer(out, self.schema, {**self.fillers, **event})
+        fastavro.schemaless_writer(out, self.schema, {**self.placeholders, **event})
         return out.getvalue()
+
+
+_ZEROS: dict[str, Any] = {
+    "boolean": False,
+    "int": 0,
+    "long": 0,
+    "float": 0.0,
+    "double": 0.0,
+    "bytes": b"",
+    "string": "",
+}
+
+
+def _placeholder(avro_type: Any) -> Any:
+    """A value of ``avro_type`` for a field a score request left out: null where allowed, else zero."""
+    if isinstance(avro_type, list):
+        return None if "null" in avro_type else _placeholder(avro_type[0])
+    if isinstance(avro_type, dict):
+        kind = avro_type["type"]
+        if kind == "record":
+            return {f["name"]: _placeholder(f["type"]) for f in avro_type["fields"]}
+        if kind == "enum":
+            return avro_type["symbols"][0]
+        if kind == "fixed":
+            return bytes(avro_type["size"])
+        return {"array": [], "map": {}}.get(kind, _placeholder(kind))
+    return _ZEROS.get(avro_type)
 
 
 class ScoringServer:
@@ -529,15 +560,18 @@ class ScoringServer:
             avro: list[RawEvent] = []
             plain: list[RawEvent] = []
             for index, event in enumerate(events):
-                try:
-                    if isinstance(event, str):
+                if isinstance(event, str):
+                    try:
                         avro.append(RawEvent(0, index, base64.b64decode(event, validate=True), -1))
-                    elif isinstance(event, dict):
+                    except ValueError as error:
+                        results[index] = {"error": f"not base64: {error}"}
+                elif isinstance(event, dict):
+                    try:
                         plain.append(RawEvent(0, index, scorer.encode_json(event), -1))
-                    else:
-                        results[index] = {"error": "an event is a base64 string (Avro) or a JSON object"}
-                except (ValueError, TypeError, KeyError, AttributeError) as error:
-                    results[index] = {"error": f"not an event of the reader schema: {error}"}
+                    except (ValueError, TypeError, KeyError, AttributeError) as error:  # fastavro's, by field
+                        results[index] = {"error": f"not an event of the reader schema: {error}"}
+                else:
+                    results[index] = {"error": "an event is a base64 string (Avro) or a JSON object"}
             for decoder, raw in ((scorer.avro, avro), (scorer.json, plain)):
                 if not raw:
                     continue

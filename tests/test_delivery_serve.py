@@ -1,0 +1,260 @@
+"""`streamtrain serve` on a real broker, real HTTP and real bases: deltas cut from states of a model
+real ranks trained, produced to a topic (chunked below its max.message.bytes, shuffled, repeated),
+bring the server's scores to the later state's; a lost delta makes it reload the newest base; a
+server SIGKILLed mid-stream and restarted converges; /score takes Avro and JSON, bad events apart."""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from confluent_kafka import Producer
+from confluent_kafka.admin import AdminClient, NewTopic
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import REPO, scrape
+from delivery_states import held_out, ranks_scores, set_delivery, small_config, train_states
+from streamtrain.delivery.artifact import export_snapshot
+from streamtrain.delivery.deltas import Delta, DeltaId, DensePiece, RowPiece, encode
+from streamtrain.delivery.serve import KafkaDeltas, ScoringServer
+from streamtrain.dev.kafka import free_port
+
+pytestmark = pytest.mark.integration
+
+EVENTS = 50
+MAX_MESSAGE_BYTES = 16_384
+BATCHES = [2, 2, 2, 2]
+
+
+@pytest.fixture(scope="module")
+def states(tmp_path_factory):
+    """Four snapshots of one model, two steps apart, and the ranks' scores at each."""
+    root = tmp_path_factory.mktemp("states")
+    snapshots = train_states(root, 1, small_config(), BATCHES, [EVENTS])
+    flat = []
+    for snapshot in snapshots:
+        dcp_to_torch_save(snapshot, snapshot.with_suffix(".pt"))
+        flat.append(torch.load(snapshot.with_suffix(".pt"), weights_only=False)["model"])
+    return root, snapshots, flat
+
+
+def cut(flat: list[dict], before: int, after: int, sequence: int, chain: int = 1) -> Delta:
+    """The delta from state ``before`` to ``after``: the rows that changed, each table sent as two
+    column pieces as column-wise shards send them, and every dense parameter."""
+    old, new = flat[before], flat[after]
+    rows, dense = [], []
+    for name, weight in new.items():
+        if ".embedding_bags." in name:
+            changed = torch.nonzero((weight != old[name]).any(dim=1)).flatten()
+            values = weight[changed].numpy()
+            table = name.split(".")[-2]
+            half = values.shape[1] // 2
+            rows += [
+                RowPiece(table, changed.numpy(), 0, values[:, :half]),
+                RowPiece(table, changed.numpy(), half, values[:, half:]),
+            ]
+        else:
+            dense.append(DensePiece(name, tuple(weight.shape), 0, weight.numpy().reshape(-1)))
+    step = sum(BATCHES[: after + 1])
+    return Delta(DeltaId("clicks", chain, sequence, step, 1_000 * after, int(time.time() * 1000)), rows, dense)
+
+
+def create_delta_topic(kafka, topic: str) -> None:
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers, "broker.address.family": "v4"})
+    futures = admin.create_topics([NewTopic(topic, 1, config={"max.message.bytes": str(MAX_MESSAGE_BYTES)})])
+    futures[topic].result(timeout=30)
+
+
+def publish(kafka, topic: str, *deltas: Delta, repeat: bool = True) -> int:
+    """Produces each delta's chunks shuffled, with some sent twice (as a producer's retries would)."""
+    producer = Producer(
+        {
+            "bootstrap.servers": kafka.bootstrap_servers,
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": 5,
+            # librdkafka batches records up to this size, and the broker checks the whole batch
+            # against the topic's max.message.bytes
+            "message.max.bytes": MAX_MESSAGE_BYTES,
+        }
+    )
+    failures: list[str] = []
+    sent = 0
+    for delta in deltas:
+        chunks = encode(delta, MAX_MESSAGE_BYTES)
+        assert len(chunks) > 3 and all(len(c) <= MAX_MESSAGE_BYTES for c in chunks)
+        shuffled = chunks + (chunks[:2] if repeat else [])
+        random.Random(delta.id.sequence).shuffle(shuffled)
+        for chunk in shuffled:
+            producer.produce(topic, chunk, key=b"clicks", on_delivery=lambda e, _m: e and failures.append(str(e)))
+        sent += len(shuffled)
+    assert producer.flush(30) == 0 and not failures, failures[:3]
+    return sent
+
+
+def post(port: int, body: object) -> dict:
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/score", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=30) as reply:
+        return json.loads(reply.read())
+
+
+def served(port: int) -> np.ndarray:
+    payloads, _ = held_out(EVENTS)
+    reply = post(port, {"events": [base64.b64encode(p).decode() for p in payloads]})
+    return np.array([r["probabilities"] for r in reply["results"]], dtype=np.float32)
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.2)
+    pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def distance(port: int, root: Path, state: int) -> float:
+    return float(np.abs(served(port) - ranks_scores(root, state, EVENTS)).max())
+
+
+def base_of(states, tmp_path: Path) -> Path:
+    _root, snapshots, _flat = states
+    out = tmp_path / "serving"
+    export_snapshot(snapshots[0], None, out, version=1, new_chain=True)
+    return out
+
+
+def test_chunked_shuffled_repeated_deltas_bring_the_server_to_the_later_state(kafka, topic_name, states, tmp_path):
+    root, _snapshots, flat = states
+    out = base_of(states, tmp_path)
+    create_delta_topic(kafka, topic_name)
+    publish(kafka, topic_name, cut(flat, 0, 1, 0))
+    with ScoringServer(out, KafkaDeltas(kafka.bootstrap_servers, topic_name)) as server:
+        assert server.wait_ready(60), "not ready once the delta present at start was applied"
+        assert distance(server.port, root, 1) <= 1e-6
+        # a repeat of delta 0 after delta 1 is skipped as already applied
+        publish(kafka, topic_name, cut(flat, 1, 2, 1), cut(flat, 0, 1, 0), cut(flat, 2, 3, 2))
+        samples = wait_for(
+            lambda: (s := scrape(server.port)).get("streamtrain_serve_delta_sequence") == 2 and s,
+            60,
+            "delta 2 applied",
+        )
+        assert distance(server.port, root, 3) <= 1e-6
+        assert samples["streamtrain_serve_deltas_applied_total"] == 3
+        assert samples["streamtrain_serve_deltas_skipped_total"] == 1
+        assert samples["streamtrain_serve_deltas_failed_total"] == 0
+        assert samples["streamtrain_serve_step"] == sum(BATCHES)
+        assert samples["streamtrain_serve_base_version"] == 1
+        assert samples["streamtrain_serve_delta_apply_seconds_count"] == 3
+        assert samples["streamtrain_serve_freshness_seconds"] > 0
+
+
+def test_a_lost_delta_makes_the_server_reload_the_newest_base_and_still_end_equal(kafka, topic_name, states, tmp_path):
+    root, snapshots, flat = states
+    out = base_of(states, tmp_path)
+    create_delta_topic(kafka, topic_name)
+    publish(kafka, topic_name, cut(flat, 0, 1, 0))
+    with ScoringServer(out, KafkaDeltas(kafka.bootstrap_servers, topic_name), base_wait_seconds=60) as server:
+        assert server.wait_ready(60)
+        publish(kafka, topic_name, cut(flat, 2, 3, 2))  # delta 1 never arrives
+        time.sleep(1.0)
+        assert distance(server.port, root, 1) <= 1e-6  # it waits for a base, serving what it has
+        set_delivery(snapshots[2], chain=1, next_sequence=2)  # the worker's periodic base after delta 1
+        export_snapshot(snapshots[2], None, out, version=2)
+        wait_for(lambda: scrape(server.port).get("streamtrain_serve_delta_sequence") == 2, 60, "delta 2 applied")
+        samples = scrape(server.port)
+        assert distance(server.port, root, 3) <= 1e-6
+        assert samples["streamtrain_serve_base_version"] == 2
+        assert samples["streamtrain_serve_base_loads_total"] == 2
+        assert samples["streamtrain_serve_deltas_failed_total"] == 0
+
+
+def test_a_server_killed_mid_stream_and_restarted_converges(kafka, topic_name, states, tmp_path):
+    root, _snapshots, flat = states
+    out = base_of(states, tmp_path)
+    create_delta_topic(kafka, topic_name)
+    port = free_port()
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-m", "streamtrain", "serve", "--model", str(out), "--deltas", topic_name,
+             "--bootstrap-servers", kafka.bootstrap_servers, "--port", str(port)],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=(tmp_path / "serve.log").open("ab"),
+        )  # fmt: skip
+
+    server = start()
+    try:
+        publish(kafka, topic_name, cut(flat, 0, 1, 0))
+        wait_for(lambda: scrape(port).get("streamtrain_serve_deltas_applied_total") == 1, 120, "delta 0 applied")
+        publish(kafka, topic_name, cut(flat, 1, 2, 1))
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=10)
+        publish(kafka, topic_name, cut(flat, 2, 3, 2))
+        server = start()
+        wait_for(lambda: ready(port), 120, "the restarted server ready")
+        assert scrape(port)["streamtrain_serve_delta_sequence"] == 2
+        assert distance(port, root, 3) <= 1e-6
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as reply:
+            assert json.loads(reply.read()) == {"ok": True}
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+    log = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+
+
+def ready(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=5) as reply:
+            return bool(json.loads(reply.read())["ready"])
+    except OSError:  # not listening yet, or 503 while the deltas present at start are applied
+        return False
+
+
+def test_score_takes_avro_and_json_and_answers_bad_events_one_by_one(states, tmp_path):
+    root, _snapshots, _flat = states
+    out = base_of(states, tmp_path)
+    payloads, records = held_out(6)
+    want = ranks_scores(root, 0, EVENTS)[:6]
+    events: list[object] = [base64.b64encode(p).decode() for p in payloads[:3]]
+    events += [{k: v for k, v in r.items() if k not in ("clk", "buy", "event_time")} for r in records[3:]]
+    bad = {
+        1: "%%% not base64",
+        3: base64.b64encode(b"\x01").decode(),  # Avro that ends too soon
+        5: {"user_id": 1},  # a JSON event without most of its fields
+        7: 42,
+    }
+    for index in sorted(bad):
+        events.insert(index, bad[index])
+    with ScoringServer(out) as server:
+        assert server.wait_ready(30)
+        reply = post(server.port, {"events": events})
+        assert reply["tasks"] == ["clk"] and reply["base_version"] == 1 and reply["delta_sequence"] == -1
+        results = reply["results"]
+        assert len(results) == len(events)
+        good = [r for i, r in enumerate(results) if i not in bad]
+        assert all("error" in results[i] for i in bad), results
+        got = np.array([r["probabilities"] for r in good], dtype=np.float32)
+        assert np.abs(got - want).max() <= 1e-6
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            post(server.port, ["not", "an", "object"])
+        assert refused.value.code == 400
+        samples = scrape(server.port)
+        assert samples['streamtrain_serve_score_requests_total{outcome="ok"}'] == 1
+        assert samples['streamtrain_serve_score_requests_total{outcome="bad_request"}'] == 1
+        assert samples["streamtrain_serve_rejected_events_total"] == len(bad)
+        assert samples["streamtrain_serve_score_seconds_count"] == 1
