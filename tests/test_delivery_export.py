@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from conftest import REPO
 from delivery_states import held_out, ranks_scores, set_delivery, small_config, train_states
+from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.artifact import ServableModel, export_snapshot, read_current
 from streamtrain.delivery.deltas import Delta, DeltaId, RowPiece
@@ -106,3 +107,17 @@ def test_a_delta_applied_to_a_loaded_base_changes_its_scores_in_place(tmp_path):
     model.apply(Delta(DeltaId("clicks", 1, 0, 2, 0, 0), rows=[RowPiece("pid", rows, 0, values)]))
     assert np.array_equal(table[rows].detach().numpy(), values)
     assert np.abs(model.score(batch) - before).max() > 1e-4
+
+
+def test_the_config_a_snapshot_carries_has_no_hosts_or_secrets(tmp_path):
+    secret = tmp_path / "password"
+    secret.write_text("hunter2")
+    raw = small_config()
+    raw["kafka"] |= {
+        "client_config": {"sasl.username": "trainer"},
+        "client_config_files": {"sasl.password": str(secret)},
+    }
+    record = parse_config(raw, environ={}).model_record()
+    text = json.dumps(record)
+    assert "unused:9092" not in text and "trainer" not in text and str(secret) not in text
+    assert record["kafka"] == {"topic": "clicks"} and set(record) == {"kafka", "features", "model"}

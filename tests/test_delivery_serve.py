@@ -27,7 +27,7 @@ from conftest import REPO, scrape
 from delivery_states import held_out, ranks_scores, set_delivery, small_config, train_states
 from streamtrain.delivery.artifact import export_snapshot
 from streamtrain.delivery.deltas import Delta, DeltaId, DensePiece, RowPiece, encode
-from streamtrain.delivery.serve import KafkaDeltas, ScoringServer
+from streamtrain.delivery.serve import DirectoryDeltas, KafkaDeltas, ScoringServer
 from streamtrain.dev.kafka import free_port
 
 pytestmark = pytest.mark.integration
@@ -258,3 +258,27 @@ def test_score_takes_avro_and_json_and_answers_bad_events_one_by_one(states, tmp
         assert samples['streamtrain_serve_score_requests_total{outcome="bad_request"}'] == 1
         assert samples["streamtrain_serve_rejected_events_total"] == len(bad)
         assert samples["streamtrain_serve_score_seconds_count"] == 1
+
+
+def test_a_delta_directory_is_followed_in_order_once_each_delta_is_complete(states, tmp_path):
+    root, _snapshots, flat = states
+    out = base_of(states, tmp_path)
+    deltas = tmp_path / "deltas"
+
+    def write(delta: Delta, complete: bool = True) -> None:
+        folder = deltas / f"delta-{delta.id.base_version}-{delta.id.sequence}"
+        folder.mkdir(parents=True)
+        for part, chunk in enumerate(encode(delta, MAX_MESSAGE_BYTES)):
+            (folder / f"part-{part:06d}").write_bytes(chunk)
+        if complete:
+            (folder / "COMPLETE").touch()
+
+    write(cut(flat, 0, 1, 0))
+    write(cut(flat, 1, 2, 1), complete=False)  # still being written: not read yet
+    with ScoringServer(out, DirectoryDeltas(deltas)) as server:
+        assert server.wait_ready(30)
+        assert distance(server.port, root, 1) <= 1e-6
+        write(cut(flat, 2, 3, 2))
+        (deltas / "delta-1-1" / "COMPLETE").touch()
+        wait_for(lambda: scrape(server.port).get("streamtrain_serve_delta_sequence") == 2, 60, "delta 2 applied")
+        assert distance(server.port, root, 3) <= 1e-6
