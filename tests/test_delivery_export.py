@@ -4,15 +4,14 @@ loads and scores exactly as the ranks' own sharded forward does, at several batc
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import shutil
 
 import numpy as np
 import pytest
 import torch.distributed as dist
 
-from conftest import REPO
 from delivery_states import held_out, ranks_scores, set_delivery, small_config, train_states
+from streamtrain.cli import main
 from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.artifact import ServableModel, export_snapshot, read_current
@@ -30,6 +29,14 @@ SHARDED = {
 }
 
 
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One rank's snapshot at step 3 (``<root>/step-000000003``), and its scores."""
+    root = tmp_path_factory.mktemp("one-rank")
+    train_states(root, 1, small_config(), [3], SIZES)
+    return root
+
+
 def served_scores(base, size: int) -> np.ndarray:
     model = ServableModel(base)
     decoder = AvroBatchDecoder(model.manifest.features, tasks=model.manifest.tasks)
@@ -42,10 +49,14 @@ def served_scores(base, size: int) -> np.ndarray:
     [(1, small_config()), (2, small_config(SHARDED, tasks=True))],
     ids=["1-rank", "2-ranks-table-and-column-wise-mmoe"],
 )
-def test_an_exported_snapshot_scores_as_the_ranks_do(tmp_path, world_size, raw):
+def test_an_exported_snapshot_scores_as_the_ranks_do(tmp_path, request, world_size, raw):
     assert not dist.is_initialized()
-    train_states(tmp_path / "checkpoints", world_size, raw, [3], SIZES)
-    base = export_snapshot(tmp_path / "checkpoints", None, tmp_path / "serving")
+    if world_size == 1:
+        checkpoints = request.getfixturevalue("trained")
+    else:
+        checkpoints = tmp_path / "checkpoints"
+        train_states(checkpoints, world_size, raw, [3], SIZES)
+    base = export_snapshot(checkpoints, None, tmp_path / "serving")
     manifest = json.loads((base / "manifest.json").read_text())
     tasks = 2 if "tasks" in raw["model"] else 1
     assert manifest["tasks"] == (["clk", "buy"] if tasks == 2 else ["clk"])
@@ -55,26 +66,28 @@ def test_an_exported_snapshot_scores_as_the_ranks_do(tmp_path, world_size, raw):
     assert set(manifest["parameters"]["tables"]) == {t["name"] for t in raw["features"]["tables"]}
     assert read_current(tmp_path / "serving") == {"version": 1, "path": base.name}
     for size in SIZES:
-        want = ranks_scores(tmp_path / "checkpoints", 0, size)
+        want = ranks_scores(checkpoints, 0, size)
         got = served_scores(base, size)
         assert got.shape == (size, tasks)
         assert np.abs(got - want).max() <= 1e-6, f"batch of {size}"
 
 
-def test_the_cli_publishes_versions_keeps_k_and_follows_the_snapshots_chain(tmp_path):
-    snapshots = train_states(tmp_path / "checkpoints", 1, small_config(), [1, 1, 1], [2])
+def test_the_cli_publishes_versions_keeps_k_and_follows_the_snapshots_chain(tmp_path, trained, capsys):
+    snapshots = []
+    for step in (1, 2, 3):  # copies at several steps: what is under test is which one is exported, and how
+        copy = tmp_path / "checkpoints" / f"step-{step:09d}"
+        shutil.copytree(trained / "step-000000003", copy)
+        marker = json.loads((copy / "streamtrain.json").read_text())
+        marker["stream"]["step"] = step
+        (copy / "streamtrain.json").write_text(json.dumps(marker))
+        snapshots.append(copy)
     out = tmp_path / "serving"
 
     def export(*args: str) -> str:
-        result = subprocess.run(
-            [sys.executable, "-m", "streamtrain", "export", "--checkpoint", *args, "--out", str(out), "--keep", "2"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 0, result.stderr[-3000:]
-        return result.stdout.strip().splitlines()[-1]
+        code = main(["export", "--checkpoint", *args, "--out", str(out), "--keep", "2"])
+        output = capsys.readouterr()
+        assert code == 0, output.err[-3000:]
+        return output.out.strip().splitlines()[-1]
 
     first = export(str(snapshots[0]))  # a snapshot without a delivery entry: a new chain
     set_delivery(snapshots[1], chain=1, next_sequence=5)
@@ -86,17 +99,12 @@ def test_the_cli_publishes_versions_keeps_k_and_follows_the_snapshots_chain(tmp_
     assert sorted(p.name for p in out.iterdir()) == ["base-000002", "base-000009", "current.json"]
     assert read_current(out) == {"version": 9, "path": "base-000009"}
 
-    missing = subprocess.run(
-        [sys.executable, "-m", "streamtrain", "export", "--checkpoint", str(tmp_path / "checkpoints"), "--step", "7",
-         "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert missing.returncode == 1 and "no complete snapshot at step 7" in missing.stderr
+    assert main(["export", "--checkpoint", str(tmp_path / "checkpoints"), "--step", "7", "--out", str(out)]) == 1
+    assert "no complete snapshot at step 7" in capsys.readouterr().err
 
 
-def test_a_delta_applied_to_a_loaded_base_changes_its_scores_in_place(tmp_path):
-    train_states(tmp_path / "checkpoints", 1, small_config(), [1], [4])
-    model = ServableModel(export_snapshot(tmp_path / "checkpoints", None, tmp_path / "serving"))
+def test_a_delta_applied_to_a_loaded_base_changes_its_scores_in_place(tmp_path, trained):
+    model = ServableModel(export_snapshot(trained, None, tmp_path / "serving"))
     decoder = AvroBatchDecoder(model.manifest.features, tasks=model.manifest.tasks)
     payloads, _ = held_out(4)
     batch = decoder.decode([RawEvent(0, i, p, 0) for i, p in enumerate(payloads)]).batch
