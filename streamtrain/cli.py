@@ -254,6 +254,10 @@ def _serve(args: argparse.Namespace) -> int:
         deltas = KafkaDeltas(args.bootstrap_servers, args.deltas)
     elif args.delta_dir:
         deltas = DirectoryDeltas(args.delta_dir)
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -465,6 +469,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=60.0,
         help="how long to wait for a base: at start, and after a gap in the deltas (default 60)",
+    )
+    serve.add_argument(
+        "--threads",
+        type=_count,
+        metavar="N",
+        help="torch's threads for scoring (default: torch's own); on a shared host, the cores it may really use",
     )
     serve.set_defaults(run=_serve)
 

@@ -192,7 +192,7 @@ def test_a_server_killed_mid_stream_and_restarted_converges(kafka, topic_name, s
     def start() -> subprocess.Popen:
         return subprocess.Popen(
             [sys.executable, "-m", "streamtrain", "serve", "--model", str(out), "--deltas", topic_name,
-             "--bootstrap-servers", kafka.bootstrap_servers, "--port", str(port)],
+             "--bootstrap-servers", kafka.bootstrap_servers, "--port", str(port), "--threads", "1"],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=(tmp_path / "serve.log").open("ab"),
         )  # fmt: skip
 

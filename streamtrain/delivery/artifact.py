@@ -386,7 +386,7 @@ class ServableModel:
             for row in delta.rows:
                 table = self.tables[row.table]
                 width = row.values.shape[1]
-                ids = torch.from_numpy(np.asarray(row.ids, dtype=np.int64))
+                ids = torch.from_numpy(np.array(row.ids, dtype=np.int64))  # a chunk's ids are read-only
                 table[ids, row.column : row.column + width] = torch.from_numpy(np.array(row.values, np.float32))
             for piece in delta.dense:
                 flat = self.dense[piece.name].view(-1)

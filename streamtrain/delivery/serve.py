@@ -226,6 +226,7 @@ class Follower:
         self.model: ServableModel | None = None
         self.next_sequence = 0
         self.step = 0
+        self.loads = 0
         self.assembler = Assembler()
         self.ready = threading.Event()
         self.stopping = threading.Event()
@@ -242,6 +243,7 @@ class Follower:
             self.model = model
             self.next_sequence = model.manifest.delta_sequence
             self.step = int(model.manifest.raw["step"])
+            self.loads += 1
         manifest = model.manifest.raw
         self.metrics.base_loads.inc()
         self.metrics.base_version.set(manifest["base_version"])
@@ -272,7 +274,10 @@ class Follower:
                     self.ready.set()
                     self.stopping.wait(1.0)
                     continue
+                loads = self.loads
                 for chunk in self.source.poll(0.2):
+                    if self.loads != loads:  # a base was loaded and the source rewound: the rest is read again
+                        break
                     self._take(chunk)
                 if not self.ready.is_set() and self.source.caught_up():
                     self.ready.set()
