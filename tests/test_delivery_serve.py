@@ -183,6 +183,24 @@ def test_a_lost_delta_makes_the_server_reload_the_newest_base_and_still_end_equa
         assert samples["streamtrain_serve_deltas_failed_total"] == 0
 
 
+def test_a_delta_of_a_newer_chain_makes_the_server_load_that_chains_base(kafka, topic_name, states, tmp_path):
+    root, snapshots, flat = states
+    out = base_of(states, tmp_path)
+    create_delta_topic(kafka, topic_name)
+    publish(kafka, topic_name, cut(flat, 0, 1, 0))
+    with ScoringServer(out, KafkaDeltas(kafka.bootstrap_servers, topic_name), base_wait_seconds=60) as server:
+        assert server.wait_ready(60)
+        # a worker restored from state 2 starts chain 3 with the base it starts from, then goes on
+        set_delivery(snapshots[2], chain=1, next_sequence=2)
+        export_snapshot(snapshots[2], None, out, version=3, new_chain=True)
+        publish(kafka, topic_name, cut(flat, 2, 3, 2, chain=3))
+        wait_for(lambda: scrape(server.port).get("streamtrain_serve_chain") == 3, 60, "chain 3 followed")
+        wait_for(lambda: scrape(server.port).get("streamtrain_serve_delta_sequence") == 2, 60, "delta 2 applied")
+        assert distance(server.port, root, 3) <= 1e-6
+        samples = scrape(server.port)
+        assert samples["streamtrain_serve_base_version"] == 3 and samples["streamtrain_serve_deltas_failed_total"] == 0
+
+
 def test_a_server_killed_mid_stream_and_restarted_converges(kafka, topic_name, states, tmp_path):
     root, _snapshots, flat = states
     out = base_of(states, tmp_path)
