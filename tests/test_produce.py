@@ -1,9 +1,18 @@
-"""The synthetic stream: deterministic under a seed, Zipf-like ids, a planted signal with a known Bayes AUC."""
+"""The synthetic stream: deterministic under a seed, Zipf-like ids, a planted signal with a known Bayes AUC;
+and the drifting stream, whose users and ads are born and retire."""
 
+import io
+import re
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import fastavro
 import numpy as np
+import pytest
 
+from conftest import REPO
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 
 SCHEMA = Path(__file__).resolve().parent.parent / "schemas" / "click_event.avsc"
@@ -131,3 +140,59 @@ def test_the_default_stream_is_unchanged_by_the_drift_mode():
     for key, value, truth in labelled_events(ClickStream(7, 1_700_000_000_000, 1000.0), AvroEncoder(SCHEMA), 20_000):
         digest.update(key + value + repr((truth.p_click, truth.p_buy)).encode())
     assert digest.hexdigest() == "6032795cb1c9e94cfc60888242963a8b56ba3dd3e5cd19a5817a2cf66b6099b3"
+
+
+def _read_topic(bootstrap_servers: str, topic: str, count: int) -> list:
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({"bootstrap.servers": bootstrap_servers, "group.id": "inspector", "enable.auto.commit": False})
+    try:
+        consumer.assign([TopicPartition(topic, p, 0) for p in range(4)])
+        messages, deadline = [], time.monotonic() + 60
+        while len(messages) < count and time.monotonic() < deadline:
+            message = consumer.poll(0.5)
+            if message is not None and message.error() is None:
+                messages.append(message)
+        return messages
+    finally:
+        consumer.close()
+
+
+@pytest.mark.integration
+def test_produce_drift_writes_the_drifting_stream_to_kafka_and_prints_its_bayes_auc(kafka, topic_name):
+    from streamtrain.metrics import roc_auc
+    from streamtrain.schema import load_schema
+
+    drift = ["--drift-users", "300", "--drift-ads", "200", "--drift-lifetime", "1000"]
+    result = subprocess.run(
+        [sys.executable, "-m", "streamtrain", "produce", "--bootstrap-servers", kafka.bootstrap_servers,
+         "--topic", topic_name, "--count", "6000", "--seed", "4", "--drift", *drift],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    users, ads, p, clk = _drifting(4, 6000, users=300, ads=200, lifetime=1000)
+    printed = float(re.search(r"Bayes-optimal AUC of this stream ([\d.]+)", result.stderr)[1])
+    assert printed == pytest.approx(roc_auc(p, clk), abs=1e-4) and printed > 0.8
+    # 300 + 5,999 * 300 // 1,000 users, 200 + 5,999 * 200 // 1,000 ads
+    assert (
+        "drift: 300 users and 200 ads live at any moment, each for 1,000 events; "
+        "2,099 users and 1,399 ads lived during these 6,000 events" in result.stderr
+    )
+    schema = fastavro.parse_schema(load_schema(SCHEMA))
+    messages = _read_topic(kafka.bootstrap_servers, topic_name, 6000)
+    records = [fastavro.schemaless_reader(io.BytesIO(m.value()), schema, None) for m in messages]
+    assert len(records) == 6000
+    assert sorted(r["user_id"] for r in records) == sorted(users.tolist())
+    assert sorted(r["adgroup_id"] for r in records) == sorted(ads.tolist())
+    assert all(m.key() == b"%d" % r["user_id"] for m, r in zip(messages, records, strict=True))
+
+
+def test_produce_refuses_drift_options_without_drift_and_names_the_fix():
+    def produce(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "streamtrain", "produce", "--bootstrap-servers", "127.0.0.1:1", *args]
+        return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+
+    alone = produce("--drift-users", "10")
+    assert alone.returncode == 2 and "--drift-users: only the drifting stream takes these; add --drift" in alone.stderr
+    empty = produce("--drift", "--drift-lifetime", "0")
+    assert empty.returncode == 2 and "drift lifetime must be at least 1 (--drift-lifetime), got 0" in empty.stderr
