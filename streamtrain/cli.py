@@ -382,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--drift-id-effect",
         type=float,
         metavar="SD",
-        help="standard deviation of each id's own effect on the click logit (default 0.8)",
+        help="standard deviation of each id's own effect on the click logit (default 1.0)",
     )
     produce.set_defaults(run=_produce)
 

@@ -69,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lifetime", type=int, default=30_000, help="events an id stays live before it retires (default 30,000)"
     )
     parser.add_argument(
-        "--id-effect", type=float, default=0.8, help="std of each id's own effect on the click logit (default 0.8)"
+        "--id-effect", type=float, default=1.0, help="std of each id's own effect on the click logit (default 1.0)"
     )
     parser.add_argument("--seed", type=int, default=0, help="the stream's seed (default 0)")
     parser.add_argument(
@@ -135,6 +135,7 @@ def bench_idspace(
     import yaml
 
     from streamtrain.config import ConfigError, TableConfig
+    from streamtrain.source import RawEvent
 
     raw = yaml.safe_load(config_path.read_text())
     managed_section = yaml.safe_load(managed_yaml) or {}
@@ -163,8 +164,10 @@ def bench_idspace(
         f"{sizes.events:,} drifting events encoded in {time.perf_counter() - started:.0f}s; distinct ids "
         + ", ".join(f"{t} {n:,} ({n / sizes.rows:.1f}x R={sizes.rows:,})" for t, n in stream.distinct.items())
     )
-    legs = _build_legs(specs, configs["hash"].distributed.device, sizes.window, progress)
-    _train_in_turn(legs, stream.payloads, progress)
+    events = [RawEvent(0, offset, value, 0) for offset, value in enumerate(stream.payloads)]
+    first_batch = events[: configs["hash"].batching.batch_size]
+    legs = _build_legs(specs, configs["hash"].distributed.device, sizes.window, first_batch, progress)
+    _train_in_turn(legs, events, progress)
     window = slice(-sizes.window, None)
     from streamtrain.metrics import roc_auc
 
@@ -261,7 +264,6 @@ class _Leg:
     trainer: Trainer
     decoder: AvroBatchDecoder
     quality: ProgressiveQuality
-    state_bytes: int
     events: int = 0  # counted after the warm-up segment
     seconds: float = 0.0
 
@@ -272,7 +274,7 @@ class _Leg:
     def summary(self, auc: float) -> dict:
         return {
             "rows": self.rows,
-            "state_bytes": self.state_bytes,
+            "state_bytes": state_bytes(self.trainer),  # once trained: what it holds at the end
             "progressive_auc": auc,
             "events_per_second": self.events_per_second,
             "device": self.trainer.env.device.type,
@@ -283,6 +285,7 @@ def _build_legs(
     specs: dict[str, tuple[Callable[[int], WorkerConfig], int]],
     device: str,
     window: int,
+    first_events: list[RawEvent],
     progress: Callable[[str], None],
 ) -> dict[str, _Leg]:
     from streamtrain.decode import AvroBatchDecoder
@@ -290,17 +293,18 @@ def _build_legs(
     from streamtrain.metrics import ProgressiveQuality
 
     env = init_distributed(device=device)
+    rows = {name: leg_rows for name, (_config_at, leg_rows) in specs.items()}
+    if "managed" in specs:
+        managed_at, hash_at = specs["managed"][0], specs["hash"][0]
+        budget = _state_after_a_step(hash_at(rows["hash"]), env, first_events)
+        rows["managed"] = _rows_in_memory(
+            lambda n: _state_after_a_step(managed_at(n), env, first_events), rows["managed"], budget, progress
+        )
     legs: dict[str, _Leg] = {}
-    for name in LEGS:
-        if name not in specs:
-            continue
-        config_at, rows = specs[name]
-        if name == "managed":
-            rows = _rows_in_memory(config_at, rows, legs["hash"].state_bytes, env, progress)
-        config = config_at(rows)
-        trainer = _trainer(config, env)
+    for name in (leg for leg in LEGS if leg in specs):
+        config = specs[name][0](rows[name])
         decoder = AvroBatchDecoder(config.features, tasks=config.tasks())
-        legs[name] = _Leg(config, rows, trainer, decoder, ProgressiveQuality(window), state_bytes(trainer))
+        legs[name] = _Leg(config, rows[name], _trainer(config, env), decoder, ProgressiveQuality(window))
     return legs
 
 
@@ -308,6 +312,18 @@ def _trainer(config: WorkerConfig, env: Any) -> Trainer:
     from streamtrain.train import Trainer
 
     return Trainer(config, env)
+
+
+def _state_after_a_step(config: WorkerConfig, env: Any, events: list[RawEvent]) -> int:
+    """The state of a fresh trainer for ``config`` once it has trained ``events`` as one batch: an
+    optimizer's state, or a mapping's buffers, may be made at the first step."""
+    from streamtrain.decode import AvroBatchDecoder
+
+    trainer = _trainer(config, env)
+    batch = AvroBatchDecoder(config.features, tasks=config.tasks()).decode(events).batch
+    for _result in trainer.train([batch]):
+        pass
+    return state_bytes(trainer)
 
 
 def state_bytes(trainer: Trainer) -> int:
@@ -334,23 +350,25 @@ def _tensor_bytes(node: Any) -> int:
     return 0
 
 
-def _rows_in_memory(
-    config_at: Callable[[int], WorkerConfig], rows: int, budget: int, env: Any, progress: Callable[[str], None]
-) -> int:
-    """The most rows, up to ``rows``, at which the managed leg's trainer state fits in ``budget``
-    bytes (the hash leg's): the mapping's own state is paid for in rows. It is measured, not
-    assumed: trainers are built at R rows and at R/2, and the bytes per row taken from the two."""
-
-    def measured(n: int) -> int:
-        return state_bytes(_trainer(config_at(n), env))
-
+def _rows_in_memory(measured: Callable[[int], int], rows: int, budget: int, progress: Callable[[str], None]) -> int:
+    """The most rows, up to ``rows``, at which the managed leg's state (``measured(rows)`` bytes)
+    fits in ``budget`` bytes, the hash leg's: the mapping's own state is paid for in rows. It is
+    measured, not assumed: at R rows and at 0.9R (close enough that the planner shards the tables
+    alike), and the bytes per row taken from the two; where the state is not linear in the rows,
+    steps of 1% down find the fit."""
     at_rows = measured(rows)
     if at_rows <= budget:
         return rows
-    per_row = (at_rows - measured(rows // 2)) / (rows - rows // 2)
-    fitted = rows - int(np.ceil((at_rows - budget) / per_row))
-    while fitted > 1 and measured(fitted) > budget:  # a mapping whose state is not linear in rows
+    near = rows - max(1, rows // 10)
+    per_row = (at_rows - measured(near)) / (rows - near)
+    fitted = rows - int(np.ceil((at_rows - budget) / per_row)) if per_row > 0 else 0
+    while fitted > 0 and measured(fitted) > budget:
         fitted -= max(1, int(np.ceil(0.01 * fitted)))
+    if fitted < 1:
+        raise RuntimeError(
+            f"the managed leg fits the hash leg's {budget:,} bytes at no row count: at {rows:,} rows its state "
+            f"is {at_rows:,} bytes, and fewer rows do not shrink it enough"
+        )
     progress(
         f"managed: its state at {rows:,} rows is {at_rows:,} bytes against the hash leg's {budget:,}; "
         f"{fitted:,} rows fit the same memory"
@@ -358,12 +376,9 @@ def _rows_in_memory(
     return fitted
 
 
-def _train_in_turn(legs: dict[str, _Leg], payloads: list[bytes], progress: Callable[[str], None]) -> None:
+def _train_in_turn(legs: dict[str, _Leg], events: list[RawEvent], progress: Callable[[str], None]) -> None:
     """Every leg trains every event, segment after segment, the order of the legs rotating per
     segment; the first segment warms up (numba's and TorchRec's first calls) and is not timed."""
-    from streamtrain.source import RawEvent
-
-    events = [RawEvent(0, offset, value, 0) for offset, value in enumerate(payloads)]
     bounds = np.linspace(0, len(events), SEGMENTS + 1).astype(int) if len(events) >= SEGMENTS else [0, len(events)]
     names = list(legs)
     for segment, (start, end) in enumerate(itertools.pairwise(bounds)):
@@ -372,7 +387,7 @@ def _train_in_turn(legs: dict[str, _Leg], payloads: list[bytes], progress: Calla
             leg = legs[name]
             seconds = _train_segment(leg, events[start:end])
             if segment > 0 or len(bounds) == 2:
-                leg.events += end - start
+                leg.events += int(end - start)
                 leg.seconds += seconds
         shown = ", ".join(f"{n} {legs[n].quality.compute()['window']['auc']:.4f}" for n in names)
         progress(f"segment {segment + 1}/{len(bounds) - 1}: {end:,} events; progressive AUC {shown}")

@@ -26,7 +26,7 @@ import numpy as np
 
 from streamtrain.dev.produce import BRAND_MISSING_RATE, PROFILE_LEVELS, ClickStream
 
-# The spread of log-popularity: the hottest 1% of live ids take about a tenth of the traffic.
+# The spread of log-popularity: the hottest 1% of live ids take about 13% of the traffic.
 POPULARITY_SIGMA = 1.2
 _BLOCK = 4096  # ordinals whose attributes are drawn together, from one generator
 _MASK63 = np.uint64(2**63 - 1)
@@ -42,7 +42,7 @@ class Drift:
     lifetime: int = 200_000  # events an id stays live: size / lifetime of a kind are born per event
     # The standard deviation of each user's and each ad's own effect on the click logit: what a
     # model can learn only in that id's embedding row, and loses to a collision.
-    id_effect: float = 0.8
+    id_effect: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("users", "ads", "lifetime"):
