@@ -138,8 +138,20 @@ def _count(text: str) -> int:
 
 
 def _produce(args: argparse.Namespace) -> int:
+    from streamtrain.dev.drift import Drift
     from streamtrain.dev.produce import produce
 
+    knobs = {name: getattr(args, f"drift_{name}") for name in ("users", "ads", "lifetime", "id_effect")}
+    given = {name: value for name, value in knobs.items() if value is not None}
+    if given and not args.drift:
+        flags = ", ".join(f"--drift-{name.replace('_', '-')}" for name in given)
+        print(f"streamtrain produce: {flags}: only the drifting stream takes these; add --drift", file=sys.stderr)
+        return 2
+    try:
+        drift = Drift(**given) if args.drift else None
+    except ValueError as error:
+        print(f"streamtrain produce: {error}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -155,6 +167,7 @@ def _produce(args: argparse.Namespace) -> int:
         start_time_ms=args.start_time_ms,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         should_stop=stop.is_set,
+        drift=drift,
     )
     return 0
 
@@ -399,6 +412,23 @@ def build_parser() -> argparse.ArgumentParser:
     produce.add_argument("--seed", type=int, default=0, help="the same seed writes the same events")
     produce.add_argument("--start-time-ms", type=int, default=None, help="event time of the first event (default: now)")
     produce.add_argument("--schema", type=Path, default=DEFAULT_SCHEMA)
+    drift = produce.add_argument_group(
+        "drift",
+        "--drift writes an open-ended id space instead: users and ads are born and retire at steady rates, "
+        "and each has an effect of its own on the click, so ids folded into too few rows cost AUC",
+    )
+    drift.add_argument("--drift", action="store_true", help="write the drifting stream")
+    drift.add_argument("--drift-users", type=int, metavar="N", help="users live at any moment (default 20,000)")
+    drift.add_argument("--drift-ads", type=int, metavar="N", help="ads live at any moment (default 10,000)")
+    drift.add_argument(
+        "--drift-lifetime", type=int, metavar="EVENTS", help="events an id lives before it retires (default 200,000)"
+    )
+    drift.add_argument(
+        "--drift-id-effect",
+        type=float,
+        metavar="SD",
+        help="standard deviation of each id's own effect on the click logit (default 1.0)",
+    )
     produce.set_defaults(run=_produce)
 
     dev_kafka = commands.add_parser(

@@ -16,6 +16,9 @@ Adding a benchmark: write ``streamtrain/bench/<name>.py`` with
 - optionally ``markdown(result) -> str`` and ``plot(result, directory) -> list[Path]`` for
   ``bench report``;
 
+A result holding ``"failed": why`` (a leg that could not run, say) is printed and saved like any
+other, and then the command exits 1 with the reason;
+
 and list it in ``BENCHMARKS`` below. Keep heavy imports (torch, torchrec) inside functions or in
 the module itself: this file is imported by `streamtrain bench` and `bench --help` before any
 benchmark is chosen.
@@ -56,6 +59,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "quality": (
         "streamtrain.bench.quality",
         "each task's progressive and holdout AUC against its Bayes AUC, clk alone and per multi-task architecture",
+    ),
+    "idspace": (
+        "streamtrain.bench.idspace",
+        "hash-mod against the managed id mapping at the same memory on a drifting stream, beside a 40x reference",
     ),
 }
 
@@ -111,6 +118,10 @@ def parser_for(name: str) -> argparse.ArgumentParser:
     return parser
 
 
+class BenchmarkFailed(RuntimeError):
+    """A benchmark ran, saved what it measured, and says why its result is incomplete."""
+
+
 def run_one(name: str, argv: list[str]) -> Path:
     from streamtrain.bench.common import describe_machine, save
 
@@ -124,12 +135,18 @@ def run_one(name: str, argv: list[str]) -> Path:
     print(f"{name} benchmark on {describe_machine(result['machine'])}\n{bench.table(result)}", flush=True)
     path = save(result)
     print(f"results: {path}", flush=True)
+    if "failed" in result:
+        raise BenchmarkFailed(f"{name}: {result['failed']}")
     return path
 
 
 def main(name: str, argv: list[str]) -> int:
     if name in BENCHMARKS:
-        run_one(name, argv)
+        try:
+            run_one(name, argv)
+        except BenchmarkFailed as incomplete:
+            _progress(f"bench {incomplete}")
+            return 1
         return 0
     args = parser_for(name).parse_args(argv)
     if name == "report":

@@ -12,17 +12,22 @@ click log is.
 
 from __future__ import annotations
 
+import functools
 import io
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import fastavro
 import numpy as np
 
 from streamtrain.metrics import roc_auc
 from streamtrain.schema import load_schema
+
+if TYPE_CHECKING:
+    from streamtrain.dev.drift import Drift
 
 CARDINALITY = {
     "user_id": 1_141_730,
@@ -34,16 +39,37 @@ CARDINALITY = {
 }
 PIDS = ("430548_1007", "430539_1007")
 ZIPF_EXPONENT = 1.05
+# A user's profile: each field's levels, [low, high).
+PROFILE_LEVELS = {
+    "cms_segid": (0, 98),
+    "cms_group_id": (0, 13),
+    "final_gender_code": (1, 3),
+    "age_level": (0, 7),
+    "pvalue_level": (0, 4),
+    "shopping_level": (1, 4),
+    "occupation": (0, 2),
+    "new_user_class_level": (0, 5),
+}
 MAX_RECENT_CATES = 10
 BRAND_MISSING_RATE = 0.25
 
 
-def _zipf_sampler(rng: np.random.Generator, n: int) -> Callable[[int], np.ndarray]:
-    """Draws ids in [0, n) with P(rank k) proportional to 1/(k+1)^s, ranks shuffled over ids."""
-    cdf = np.cumsum(1.0 / np.arange(1, n + 1) ** ZIPF_EXPONENT)
-    cdf /= cdf[-1]
-    id_of_rank = rng.permutation(n)
-    return lambda size: id_of_rank[np.minimum(np.searchsorted(cdf, rng.random(size)), n - 1)]
+@dataclass(frozen=True)
+class ZipfIds:
+    """Ids in [0, n) with P(rank k) proportional to 1/(k+1)^s, ranks shuffled over ids."""
+
+    cdf: np.ndarray
+    id_of_rank: np.ndarray
+
+    @classmethod
+    def shuffled(cls, rng: np.random.Generator, n: int) -> ZipfIds:
+        cdf = np.cumsum(1.0 / np.arange(1, n + 1) ** ZIPF_EXPONENT)
+        cdf /= cdf[-1]
+        return cls(cdf, rng.permutation(n))
+
+    def draw(self, rng: np.random.Generator, size: int) -> np.ndarray:
+        n = self.id_of_rank.size
+        return self.id_of_rank[np.minimum(np.searchsorted(self.cdf, rng.random(size)), n - 1)]
 
 
 @dataclass
@@ -74,7 +100,10 @@ class ClickStream:
         self.events_per_second = events_per_second
         self.emitted = 0
         rng = self.rng
-        self.draw = {name: _zipf_sampler(rng, n) for name, n in CARDINALITY.items()}
+        self.zipf = {name: ZipfIds.shuffled(rng, n) for name, n in CARDINALITY.items()}
+        self.draw: dict[str, Callable[[int], np.ndarray]] = {
+            name: functools.partial(ids.draw, rng) for name, ids in self.zipf.items()
+        }
         n_ads, n_users = CARDINALITY["adgroup_id"], CARDINALITY["user_id"]
         # What an ad is: fixed attributes per ad group.
         self.ad_cate = self.draw["cate_id"](n_ads)
@@ -84,14 +113,7 @@ class ClickStream:
         self.ad_price = np.round(np.exp(rng.normal(4.0, 1.2, n_ads)), 2).astype(np.float32)
         # Who a user is: a fixed profile per user.
         self.user_profile = {
-            "cms_segid": rng.integers(0, 98, n_users, dtype=np.int8),
-            "cms_group_id": rng.integers(0, 13, n_users, dtype=np.int8),
-            "final_gender_code": rng.integers(1, 3, n_users, dtype=np.int8),
-            "age_level": rng.integers(0, 7, n_users, dtype=np.int8),
-            "pvalue_level": rng.integers(0, 4, n_users, dtype=np.int8),
-            "shopping_level": rng.integers(1, 4, n_users, dtype=np.int8),
-            "occupation": rng.integers(0, 2, n_users, dtype=np.int8),
-            "new_user_class_level": rng.integers(0, 5, n_users, dtype=np.int8),
+            name: rng.integers(low, high, n_users, dtype=np.int8) for name, (low, high) in PROFILE_LEVELS.items()
         }
         # The hidden model. Its effects sit on features a model can learn from a short stream.
         self.w_cate = rng.normal(0.0, 0.9, CARDINALITY["cate_id"])
@@ -113,13 +135,37 @@ class ClickStream:
         self.w_buy_cate_own = buy_rng.normal(0.0, 0.5, CARDINALITY["cate_id"])
         self.w_buy_bias = -2.8
 
-    def chunk(self, size: int) -> EventChunk:
-        rng = self.rng
+    def _draw_ids(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The next ``size`` events' users and ads: (user index, ad index) into the per-user and
+        per-ad attributes, then (user id, ad id) as the events carry them."""
         users = self.draw["user_id"](size)
         ads = self.draw["adgroup_id"](size)
+        return users, ads, users, ads
+
+    def _ad_attributes(self, ads: np.ndarray) -> dict[str, np.ndarray]:
+        return {
+            "cate": self.ad_cate[ads],
+            "price": self.ad_price[ads],
+            "campaign": self.ad_campaign[ads],
+            "customer": self.ad_customer[ads],
+            "brand": self.ad_brand[ads],
+        }
+
+    def _profiles(self, users: np.ndarray) -> dict[str, np.ndarray]:
+        return {name: values[users] for name, values in self.user_profile.items()}
+
+    def _id_effects(self, users: np.ndarray, ads: np.ndarray) -> np.ndarray | float:
+        """What the user and the ad themselves add to the click logit: nothing in this stream, whose
+        signal sits on features a model learns from a short stream (the drifting one adds some)."""
+        return 0.0
+
+    def chunk(self, size: int) -> EventChunk:
+        rng = self.rng
+        users, ads, user_ids, ad_ids = self._draw_ids(size)
         pid_index = rng.integers(0, len(PIDS), size)
-        cate = self.ad_cate[ads]
-        price = self.ad_price[ads]
+        ad = self._ad_attributes(ads)
+        cate = ad["cate"]
+        price = ad["price"]
         n_recent = rng.integers(0, MAX_RECENT_CATES + 1, size)
         recent_flat = self.draw["cate_id"](int(n_recent.sum()))
         # A third of the users with history have recently clicked this ad's category.
@@ -128,7 +174,7 @@ class ClickStream:
         recent_flat[starts[planted]] = cate[planted]
         recent_match = np.zeros(size, dtype=bool)
         np.logical_or.at(recent_match, np.repeat(np.arange(size), n_recent), recent_flat == np.repeat(cate, n_recent))
-        profile = {name: values[users] for name, values in self.user_profile.items()}
+        profile = self._profiles(users)
         logit = (
             self.bias
             + self.w_cate[cate]
@@ -138,6 +184,7 @@ class ClickStream:
             + self.w_pid[pid_index]
             + self.w_log_price * (np.log1p(price) - 4.0)
             + self.w_recent_match * recent_match
+            + self._id_effects(users, ads)
         )
         p_click = 1.0 / (1.0 + np.exp(-logit))
         clk = (rng.random(size) < p_click).astype(np.int64)
@@ -160,17 +207,17 @@ class ClickStream:
         self.emitted += size
 
         recent = np.split(recent_flat, np.cumsum(n_recent)[:-1])
-        brand = self.ad_brand[ads]
+        brand = ad["brand"]
         records = []
         for i in range(size):
             records.append(
                 {
                     "event_time": int(event_time[i]),
-                    "user_id": int(users[i]),
-                    "adgroup_id": int(ads[i]),
+                    "user_id": int(user_ids[i]),
+                    "adgroup_id": int(ad_ids[i]),
                     "cate_id": int(cate[i]),
-                    "campaign_id": int(self.ad_campaign[ads[i]]),
-                    "customer": int(self.ad_customer[ads[i]]),
+                    "campaign_id": int(ad["campaign"][i]),
+                    "customer": int(ad["customer"][i]),
                     "brand": None if brand[i] < 0 else int(brand[i]),
                     **{name: int(values[i]) for name, values in profile.items()},
                     "pid": PIDS[pid_index[i]],
@@ -180,7 +227,7 @@ class ClickStream:
                     "buy": int(buy[i]),
                 }
             )
-        keys = [b"%d" % u for u in users]
+        keys = [b"%d" % u for u in user_ids]
         return EventChunk(records, p_click, keys, p_buy)
 
 
@@ -255,12 +302,14 @@ def produce(
     client_config: dict[str, str] | None = None,
     progress: Callable[[str], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
+    drift: Drift | None = None,
 ) -> ProduceReport:
     """Write ``count`` synthetic events to ``topic`` (created with ``partitions`` if absent).
 
     ``rate`` (events/s) paces the sends; event times follow the same pace, so they track the
     wall clock. Keys are user ids, so one user's events stay in one partition, unless
-    ``partition`` sends every event to that one partition (a skewed stream).
+    ``partition`` sends every event to that one partition (a skewed stream). ``drift`` writes the
+    drifting stream instead (``streamtrain.dev.drift``).
     """
     from confluent_kafka import Producer
 
@@ -277,7 +326,12 @@ def produce(
             **(client_config or {}),
         }
     )
-    stream = ClickStream(seed, start_time_ms, rate)
+    if drift is None:
+        stream = ClickStream(seed, start_time_ms, rate)
+    else:
+        from streamtrain.dev.drift import DriftingClickStream
+
+        stream = DriftingClickStream(seed, start_time_ms, rate, drift)
     encoder = AvroEncoder(schema_path)
     truths: list[Truth] = []
     failures: list[str] = []
@@ -337,4 +391,10 @@ def produce(
             f"buy rate {report.buy_rate:.4f}, its Bayes-optimal AUC {aucs['buy']:.4f} over all events "
             f"and {aucs['buy_given_clk']:.4f} over clicks"
         )
+        if drift is not None:
+            progress(
+                f"drift: {drift.users:,} users and {drift.ads:,} ads live at any moment, each for "
+                f"{drift.lifetime:,} events; {drift.distinct_ids(drift.users, produced):,} users and "
+                f"{drift.distinct_ids(drift.ads, produced):,} ads lived during these {produced:,} events"
+            )
     return report
