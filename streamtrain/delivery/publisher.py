@@ -25,6 +25,7 @@ snapshot at a graceful stop. A failed export is logged and counted, never fatal.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -60,6 +61,8 @@ RETRY_MAX_SECONDS = 30.0
 # A directory target has no message limit; chunks of this size keep each file's write short.
 DIRECTORY_CHUNK_BYTES = 8 * 2**20
 _BASE = re.compile(r"^base-(\d+)(\.partial)?$")
+# In delivery.path: the newest base version allocated, exported or not.
+RESERVED = "reserved-version"
 # Where ClickModel's tables sit in the DMP's state dict and plan.
 EBC_PATH = "dlrm.sparse_arch.embedding_bag_collection"
 
@@ -288,17 +291,26 @@ class BaseExports:
         self.last_started_at = time.monotonic()
 
     def newest_version(self) -> int:
-        """The newest base version in ``delivery.path``, finished or not; 0 if there is none."""
+        """The newest base version in ``delivery.path``, finished or not, or reserved by an
+        allocation whose export never got as far; 0 if there is none."""
         newest = self.version
         if self.fs.exists(self.root):
             for entry in self.fs.ls(self.root, detail=False):
                 match = _BASE.match(entry.rstrip("/").rsplit("/", 1)[-1])
                 if match:
                     newest = max(newest, int(match[1]))
+            with contextlib.suppress(OSError, ValueError):
+                newest = max(newest, int(self.fs.cat_file(f"{self.root}/{RESERVED}")))
         return newest
 
-    def allocate(self) -> int:
-        self.version = self.newest_version() + 1
+    def allocate(self, at_least: int = 0) -> int:
+        """The next base version, above every one in ``delivery.path`` and ``at_least``. It is
+        reserved on disk first: deltas carry it at once, and a failed export must not hand it out
+        again to the next start."""
+        self.version = max(self.newest_version(), at_least) + 1
+        self.fs.makedirs(self.root, exist_ok=True)
+        self.fs.pipe_file(f"{self.root}/{RESERVED}.tmp", str(self.version).encode())
+        self.fs.mv(f"{self.root}/{RESERVED}.tmp", f"{self.root}/{RESERVED}")
         return self.version
 
     def start(self, step: int, new_chain: bool, version: int | None = None) -> None:
@@ -456,10 +468,10 @@ class Publisher:
     def begin_chain(self, restored: StreamState | None) -> int:
         """Every start begins a chain: rank 0 allocates the next base version, every rank learns it,
         and the sequence continues from the restored snapshot's. Returns the version."""
-        version = [self.bases.allocate() if self.bases is not None else 0]
+        previous = restored.delivery if restored is not None else None
+        version = [self.bases.allocate(previous.chain if previous else 0) if self.bases is not None else 0]
         if self.world_size > 1:
             dist.broadcast_object_list(version, src=0, group=self.cut_group)
-        previous = restored.delivery if restored is not None else None
         self.stream.delivery = DeliveryPosition(version[0], previous.next_sequence if previous else 0)
         log.info(
             "rank %d: delta chain %d starts at sequence %d", self.rank, version[0], self.stream.delivery.next_sequence
