@@ -61,6 +61,8 @@ RETRY_MAX_SECONDS = 30.0
 # A directory target has no message limit; chunks of this size keep each file's write short.
 DIRECTORY_CHUNK_BYTES = 8 * 2**20
 _BASE = re.compile(r"^base-(\d+)(\.partial)?$")
+# The base exporter (streamtrain/delivery/artifact.py), run as a process of its own.
+EXPORT_COMMAND = (sys.executable, "-m", "streamtrain", "export")
 # In delivery.path: the newest base version allocated, exported or not.
 RESERVED = "reserved-version"
 # Where ClickModel's tables sit in the DMP's state dict and plan.
@@ -279,8 +281,15 @@ class _Cut:
 class BaseExports:
     """Rank 0's base exports: ``streamtrain export`` in a background process, one at a time."""
 
-    def __init__(self, config: DeliveryConfig, checkpoint_path: str, metrics: WorkerMetrics | None):
+    def __init__(
+        self,
+        config: DeliveryConfig,
+        checkpoint_path: str,
+        metrics: WorkerMetrics | None,
+        export_command: Sequence[str] = EXPORT_COMMAND,
+    ):
         self.config = config
+        self.export_command = list(export_command)
         self.checkpoint_path = checkpoint_path
         self.path = config.resolved_path(checkpoint_path)
         self.metrics = metrics
@@ -320,7 +329,7 @@ class BaseExports:
             return
         version = version if version is not None else self.allocate()
         command = [
-            sys.executable, "-m", "streamtrain", "export", "--checkpoint", self.checkpoint_path,
+            *self.export_command, "--checkpoint", self.checkpoint_path,
             "--step", str(step), "--out", self.path, "--version", str(version),
             *(["--new-chain"] if new_chain else []),
         ]  # fmt: skip
