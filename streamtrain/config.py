@@ -431,15 +431,9 @@ class WorkerConfig(_Strict):
     delivery: DeliveryConfig = DeliveryConfig()
 
     @model_validator(mode="after")
-    def _delivery_from_snapshots(self) -> WorkerConfig:
+    def _deltas_elsewhere(self) -> WorkerConfig:
         if not self.delivery.enabled:
             return self
-        if not self.checkpoint.path:
-            raise ValueError(
-                "delivery.enabled needs checkpoint.path: bases are exported from snapshots, and the delta "
-                "sequence continues from them; set checkpoint.path (STREAMTRAIN_CHECKPOINT__PATH) or "
-                "delivery.enabled: false"
-            )
         topic = self.delivery.resolved_topic(self.kafka.topic)
         if self.delivery.directory is None and topic in (
             self.kafka.topic,
@@ -464,6 +458,18 @@ class WorkerConfig(_Strict):
                 "features.label is the single-task form: with model.tasks, each task names its label; remove one"
             )
         return self
+
+    def checkpoint_path_for_delivery(self) -> str:
+        """checkpoint.path, which delivery needs. Asked when the worker starts, not when the config
+        is parsed: the reference config has delivery on and leaves checkpoint.path to the
+        deployment, and ``streamtrain plan`` and the benchmarks read it without either."""
+        if not self.checkpoint.path:
+            raise ConfigError(
+                "invalid worker configuration:\n  delivery.enabled needs checkpoint.path: bases are exported "
+                "from snapshots, and the delta sequence continues from them; set checkpoint.path "
+                "(STREAMTRAIN_CHECKPOINT__PATH) or delivery.enabled: false (STREAMTRAIN_DELIVERY__ENABLED=false)"
+            )
+        return self.checkpoint.path
 
     def tasks(self) -> list[TaskConfig]:
         """The tasks trained, in head order: model.tasks, else the one on features.label."""

@@ -178,6 +178,8 @@ def run_worker(
     Under torchrun every rank runs this; the ranks step in lockstep (see ``Lockstep``). Each of
     ``observers`` sees every step that trained events, and is closed at the end.
     """
+    if config.delivery.enabled:
+        config.checkpoint_path_for_delivery()  # refused before anything starts
     env = init_distributed(config.distributed.timeout_seconds, config.distributed.device)
     metrics = WorkerMetrics(config.metrics.auc_window, [t.name for t in config.tasks()])
     metrics.info.info({"rank": str(env.rank), "world_size": str(env.world_size), "topic": config.kafka.topic})

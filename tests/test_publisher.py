@@ -4,6 +4,8 @@ training goes on, the directory target, the base export's call, and the delivery
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -48,7 +50,7 @@ def test_delivery_config_names_the_field_and_the_fix(tmp_path):
     raw["kafka"] = {"bootstrap_servers": "127.0.0.1:9", "topic": "clicks"}
     raw["delivery"] = {"enabled": True}
     with pytest.raises(ConfigError, match=r"delivery.enabled needs checkpoint.path.*STREAMTRAIN_CHECKPOINT__PATH"):
-        parse_config(raw, environ={})
+        parse_config(raw, environ={}).checkpoint_path_for_delivery()
     raw["checkpoint"] = {"path": "/snapshots"}
     with pytest.raises(ConfigError, match=r"delivery.topic: clicks is the training or dead-letter topic"):
         parse_config({**raw, "delivery": {"enabled": True, "topic": "clicks"}}, environ={})
@@ -203,3 +205,16 @@ def test_the_base_export_is_called_with_the_agreed_flags(tmp_path, monkeypatch):
     slow.start(20, new_chain=False)
     slow.wait(0.5)  # past its bound at a stop: stopped and counted
     assert time.monotonic() - started < 15 and metrics.bases_failed._value.get() == 2
+
+
+def test_a_worker_with_delivery_and_no_checkpoint_path_exits_2_naming_the_field():
+    result = subprocess.run(
+        [sys.executable, "-m", "streamtrain", "worker", "--config", str(REPO / "tests" / "worker-small.yaml")],
+        cwd=REPO,
+        env={**os.environ, "STREAMTRAIN_DELIVERY__ENABLED": "true"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "delivery.enabled needs checkpoint.path" in result.stderr and "STREAMTRAIN_CHECKPOINT__PATH" in result.stderr

@@ -435,7 +435,6 @@ class Publisher:
         """``stream`` is the snapshot schedule's state: the publisher keeps its ``delivery`` position
         current, so each snapshot records the next delta's sequence."""
         delivery = config.delivery
-        assert config.checkpoint.path is not None  # the config refuses delivery without it
         self.config = delivery
         self.model = model
         self.plan = plan
@@ -456,7 +455,8 @@ class Publisher:
         self.done = threading.Event()
         self.done.set()
         self.abandon = threading.Event()
-        self.bases = BaseExports(delivery, config.checkpoint.path, metrics) if rank == 0 else None
+        checkpoint_path = config.checkpoint_path_for_delivery()
+        self.bases = BaseExports(delivery, checkpoint_path, metrics) if rank == 0 else None
         self.target: DeltaTarget | None = None
         if rank == 0:
             self.target = target or (
