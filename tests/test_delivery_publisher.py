@@ -27,6 +27,14 @@ PARTITIONS = 4
 EBC = "dlrm.sparse_arch.embedding_bag_collection.embedding_bags"
 # user_id and adgroup_id table-wise, cate_id and recent_cate_ids column-wise (tests/worker-small.yaml's order).
 SHARDING = {0: "table_wise", 1: "table_wise", 2: "column_wise", 8: "column_wise"}
+# TorchRec cuts column-wise shards of 128 columns: at 256, recent_cate_ids has one shard on each
+# rank and cate_id two on one. Fewer rows keep the snapshots small.
+WIDE = {
+    **{f"STREAMTRAIN_FEATURES__TABLES__{i}__EMBEDDING_DIM": "256" for i in range(9)},
+    **{f"STREAMTRAIN_FEATURES__TABLES__{i}__NUM_EMBEDDINGS": "2000" for i in (0, 1, 2, 3, 8)},
+    "STREAMTRAIN_MODEL__DENSE_ARCH_LAYER_SIZES": "[16, 256]",
+}
+DIM = 256
 
 
 def delivery_env(root: Path, every_steps: int, **extra: str) -> dict[str, str]:
@@ -98,14 +106,14 @@ def delta_rows(delta: Delta) -> dict[str, set[int]]:
 def test_two_ranks_deltas_equal_the_snapshots_at_their_steps_and_miss_no_changed_row(
     kafka, topic_name, start_ranks, tmp_path
 ):
-    produce(kafka.bootstrap_servers, topic_name, 4000, partitions=PARTITIONS, seed=61, schema_path=SCHEMA)
+    produce(kafka.bootstrap_servers, topic_name, 2500, partitions=PARTITIONS, seed=61, schema_path=SCHEMA)
     # A small message limit: every delta is chunked, each chunk below the limit.
-    limit = HEADER_ALLOWANCE + 4096
+    limit = HEADER_ALLOWANCE + 65536
     admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers, "broker.address.family": "v4"})
     created = admin.create_topics([NewTopic(f"{topic_name}.model", 1, 1, config={"max.message.bytes": str(limit)})])
     created[f"{topic_name}.model"].result(timeout=30)
     root = tmp_path / "snapshots"
-    env = delivery_env(root, every_steps=4, STREAMTRAIN_BATCHING__BATCH_SIZE="64")
+    env = delivery_env(root, every_steps=4, STREAMTRAIN_BATCHING__BATCH_SIZE="64", **WIDE)
     ranks = start_ranks(topic_name, 2, "--until-end", env=env)
     assert [r.wait(timeout=240) for r in ranks] == [0, 0], ranks[0].output()[-3000:] + ranks[1].output()[-3000:]
 
@@ -147,7 +155,9 @@ def test_two_ranks_deltas_equal_the_snapshots_at_their_steps_and_miss_no_changed
         for piece in delta.rows:
             for row in piece.ids.tolist():
                 width[(piece.table, row)] = width.get((piece.table, row), 0) + piece.values.shape[1]
-        assert set(width.values()) <= {8}
+        assert set(width.values()) == {DIM}
+    split = {(p.table, p.column) for d in deltas for p in d.rows if p.column}
+    assert {("cate_id", 128), ("recent_cate_ids", 128)} <= split  # the column-wise shards' second halves
 
     # Completeness: every row that changed between two snapshots is in the deltas that cover the
     # steps between them (a delta holds the rows touched since the one before it).

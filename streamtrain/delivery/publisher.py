@@ -451,6 +451,7 @@ class Publisher:
         self.last_cut_at = clock()
         self.last_cut_step = stream.step
         self.step_mark = stream.step  # delta_interval_steps counts from here
+        self.steps_due_at: int | None = None  # the step at which the steps interval fell due
         self.in_flight = False
         self.done = threading.Event()
         self.done.set()
@@ -502,12 +503,13 @@ class Publisher:
         return {"delta": (self.due, "any"), "delta_sent": (self.sent, "all")}
 
     def due(self) -> bool:
+        steps = self.config.delta_interval_steps
+        steps_due = bool(steps and self.stream.step - self.step_mark >= steps)
+        if steps_due and self.steps_due_at is None:
+            self.steps_due_at = self.stream.step
         if self.in_flight or self.stream.step <= self.last_cut_step:
             return False
-        steps = self.config.delta_interval_steps
-        return self.clock() - self.last_cut_at >= self.config.delta_interval_seconds or bool(
-            steps and self.stream.step - self.step_mark >= steps
-        )
+        return steps_due or self.clock() - self.last_cut_at >= self.config.delta_interval_seconds
 
     def sent(self) -> bool:
         return self.in_flight and self.done.is_set()
@@ -545,13 +547,11 @@ class Publisher:
         delta_id = DeltaId(self.model_id, position.chain, position.next_sequence, self.stream.step, high_water, 0)
         self.stream.delivery = DeliveryPosition(position.chain, position.next_sequence + 1)
         self.last_cut_at, self.last_cut_step = self.clock(), self.stream.step
-        steps = self.config.delta_interval_steps
-        if steps and self.stream.step - self.step_mark >= steps:
-            # On the grid of every N steps: a delta held back by the one in flight does not shift
-            # the ones after it (they fall on the snapshots' steps when the intervals are equal).
-            self.step_mark = self.stream.step - (self.stream.step - self.step_mark) % steps
-        else:
-            self.step_mark = self.stream.step
+        # A delta cuts the step after the vote that found it due. One held back by the delta in
+        # flight counts the next interval from where it would have been cut, so the deltas keep
+        # to the steps the snapshots take when both intervals are equal.
+        self.step_mark = self.stream.step if self.steps_due_at is None else self.steps_due_at + 1
+        self.steps_due_at = None
         self.in_flight = True
         self.done.clear()
         self.cuts.put(_Cut(delta_id, rows, dense, time.monotonic()))  # room: one delta in flight
