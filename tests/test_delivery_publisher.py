@@ -210,7 +210,7 @@ def test_a_restarted_worker_continues_the_sequence_in_a_new_chain(kafka, topic_n
 
 def test_deltas_every_second(kafka, topic_name, start_worker, live_producer, tmp_path):
     produce(kafka.bootstrap_servers, topic_name, 100, partitions=PARTITIONS, seed=64, schema_path=SCHEMA)
-    producer = live_producer(kafka.bootstrap_servers, topic_name, 60_000, 500, "--seed", "65")
+    producer = live_producer(kafka.bootstrap_servers, topic_name, 60_000, 200, "--seed", "65")
     env = delivery_env(tmp_path / "snapshots", every_steps=0)
     env.pop("STREAMTRAIN_CHECKPOINT__INTERVAL_STEPS")
     env["STREAMTRAIN_DELIVERY__DELTA_INTERVAL_SECONDS"] = "1"
@@ -219,6 +219,15 @@ def test_deltas_every_second(kafka, topic_name, start_worker, live_producer, tmp
         worker.wait_for(
             lambda: worker.total("streamtrain_deltas_published_total") >= 5, timeout=120, what="five deltas"
         )
+        producer.stop(timeout=30)
+        produced = 100 + producer.produced()
+        worker.wait_for(
+            lambda: worker.total("streamtrain_events_trained_total") >= produced, timeout=120, what="the stream trained"
+        )
+        time.sleep(3)  # the last delta is cut and published
+        published = worker.total("streamtrain_deltas_published_total")
+        time.sleep(4)
+        assert worker.total("streamtrain_deltas_published_total") == published  # an idle stream publishes nothing
         worker.signal(signal.SIGTERM)
         assert worker.wait(timeout=90) == 0, worker.output()[-3000:]
     finally:

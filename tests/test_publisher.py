@@ -75,7 +75,9 @@ def test_touched_ids_are_each_tables_unique_rows_across_compactions():
     touched.add(kjt({"a": [5, 3, 5], "b": []}))
     touched.add(kjt({"a": [3, 9], "b": [1]}))  # past compact_at: reduced to unique ids, none lost
     touched.add(kjt({"a": [2], "b": [1, 7]}))
+    assert touched
     taken = touched.take()
+    assert not touched
     assert taken["a"].tolist() == [2, 3, 5, 9] and taken["b"].tolist() == [1, 7]
     assert all(ids.size == 0 for ids in touched.take().values())  # a take starts afresh
 

@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 RETRY_FIRST_SECONDS = 1.0
 RETRY_MAX_SECONDS = 30.0
+STOP_MARGIN_SECONDS = 5.0
 # A directory target has no message limit; chunks of this size keep each file's write short.
 DIRECTORY_CHUNK_BYTES = 8 * 2**20
 _BASE = re.compile(r"^base-(\d+)(\.partial)?$")
@@ -94,6 +95,10 @@ class TouchedIds:
                     unique = torch.unique(torch.cat(parts))
                     self.pending[table] = [unique]
                     self.held += unique.numel()
+
+    def __bool__(self) -> bool:
+        """Whether any id was added since the last take."""
+        return any(self.pending.values())
 
     def take(self) -> dict[str, np.ndarray]:
         """Each table's unique ids since the last take, sorted, as int64."""
@@ -507,7 +512,9 @@ class Publisher:
         steps_due = bool(steps and self.stream.step - self.step_mark >= steps)
         if steps_due and self.steps_due_at is None:
             self.steps_due_at = self.stream.step
-        if self.in_flight or self.stream.step <= self.last_cut_step:
+        # Only after events trained here: the empty steps of an idle stream (one clears the delta in
+        # flight) would otherwise cut a delta, and step again, every interval.
+        if self.in_flight or not self.touched:
             return False
         return steps_due or self.clock() - self.last_cut_at >= self.config.delta_interval_seconds
 
@@ -645,4 +652,5 @@ class Publisher:
                 # The final snapshot's base supersedes a periodic one still being exported.
                 self.bases.wait(0.0)
             self.bases.start(newest, new_chain=False)
-        self.bases.wait(max(deadline - time.monotonic() - 1.0, 0.0) if clean else 0.0)
+        # Room left for the rest of the stop (the sources' and producers' close) within the grace.
+        self.bases.wait(max(deadline - time.monotonic() - STOP_MARGIN_SECONDS, 0.0) if clean else 0.0)
