@@ -404,6 +404,7 @@ class DeliveryConfig(_Strict):
     # A base from the newest committed snapshot this often, besides the one at start and at a
     # graceful stop.
     base_interval_seconds: float = Field(default=600.0, gt=0)
+    # Bases kept in delivery.path (the export removes older ones, never the one current.json names).
     keep_bases: int = Field(default=3, gt=0)
     # One attempt to deliver a delta (librdkafka's message.timeout.ms); a failed one is counted
     # and retried, doubling the wait up to 30 s, while training goes on (see README).

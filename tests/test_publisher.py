@@ -188,10 +188,9 @@ def test_the_base_export_is_called_with_the_agreed_flags(tmp_path, monkeypatch):
     calls = [json.loads(line) for line in (serving / "calls.jsonl").read_text().splitlines()]
     assert calls[0] == [
         "--checkpoint", str(tmp_path / "snapshots"), "--step", "0", "--out", str(serving),
-        "--version", "1", "--new-chain",
+        "--version", "1", "--keep", "2", "--new-chain",
     ]  # fmt: skip
     assert [c[c.index("--version") + 1] for c in calls] == ["1", "2", "3"] and "--new-chain" not in calls[1]
-    assert sorted(p.name for p in serving.glob("base-*")) == ["base-000002", "base-000003"]  # keep_bases
     assert metrics.bases_published._value.get() == 3
 
     # A failed export is counted, and its version is not handed out again.

@@ -26,7 +26,6 @@ snapshot at a graceful stop. A failed export is logged and counted, never fatal.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import queue
 import re
@@ -300,7 +299,9 @@ class BaseExports:
         self.metrics = metrics
         self.fs, self.root = fsspec.core.url_to_fs(self.path)
         self.version = 0
-        self.running: tuple[subprocess.Popen, IO[bytes], int, int, float] | None = None
+        self.running: threading.Thread | None = None
+        self.process: subprocess.Popen | None = None
+        self.stopped = False  # set when wait() runs out and kills the export
         self.last_step = -1
         self.last_started_at = time.monotonic()
 
@@ -328,27 +329,50 @@ class BaseExports:
         return self.version
 
     def start(self, step: int, new_chain: bool, version: int | None = None) -> None:
-        """Exports the snapshot at ``step`` as the next base version (``version`` when given)."""
-        self.poll()
+        """Exports the snapshot at ``step`` as the next base version (``version`` when given),
+        unless an export is running."""
         if self.running is not None:
             return
         version = version if version is not None else self.allocate()
         command = [
             *self.export_command, "--checkpoint", self.checkpoint_path,
-            "--step", str(step), "--out", self.path, "--version", str(version),
+            "--step", str(step), "--out", self.path, "--version", str(version), "--keep", str(self.config.keep_bases),
             *(["--new-chain"] if new_chain else []),
         ]  # fmt: skip
-        output = tempfile.TemporaryFile()  # noqa: SIM115 - read and closed once the export ends
+        output = tempfile.TemporaryFile()  # noqa: SIM115 - the watcher reads and closes it
         try:
             process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         except OSError as error:
             output.close()
             self._failed(version, step, f"could not start it: {error}")
             return
-        self.running = (process, output, version, step, time.monotonic())
-        self.last_step = step
+        self.process, self.last_step = process, step
         self.last_started_at = time.monotonic()
         log.info("exporting base %d from the snapshot at step %d (pid %d)", version, step, process.pid)
+        # A thread per export notes its end when it comes, so the log and metrics do not wait for
+        # the next training step (an idle stream takes none).
+        self.running = threading.Thread(
+            target=self._watch, args=(process, output, version, step), name="streamtrain-base-export", daemon=True
+        )
+        self.running.start()
+
+    def _watch(self, process: subprocess.Popen, output: IO[bytes], version: int, step: int) -> None:
+        process.wait()
+        seconds = time.monotonic() - self.last_started_at
+        output.seek(0)
+        text = output.read().decode(errors="replace")
+        output.close()
+        if self.stopped:
+            self._failed(version, step, f"stopped unfinished after {seconds:.0f}s, at the worker's stop")
+        elif process.returncode != 0:
+            tail = " | ".join(text.strip().splitlines()[-5:])
+            self._failed(version, step, f"streamtrain export exited with {process.returncode}: {tail}")
+        else:
+            if self.metrics:
+                self.metrics.bases_published.inc()
+                self.metrics.base_export_seconds.observe(seconds)
+            log.info("base %d published from the snapshot at step %d in %.1fs", version, step, seconds)
+        self.running = None
 
     def due(self, newest_snapshot_step: int) -> bool:
         return (
@@ -357,65 +381,22 @@ class BaseExports:
             and time.monotonic() - self.last_started_at >= self.config.base_interval_seconds
         )
 
-    def poll(self) -> bool:
-        """Takes note of a finished export; True while one is still running."""
-        if self.running is None:
-            return False
-        process, output, version, step, started = self.running
-        if process.poll() is None:
-            return True
-        self.running = None
-        seconds = time.monotonic() - started
-        output.seek(0)
-        text = output.read().decode(errors="replace")
-        output.close()
-        if process.returncode != 0:
-            tail = " | ".join(text.strip().splitlines()[-5:])
-            self._failed(version, step, f"streamtrain export exited with {process.returncode}: {tail}")
-            return False
-        if self.metrics:
-            self.metrics.bases_published.inc()
-            self.metrics.base_export_seconds.observe(seconds)
-        log.info("base %d published from the snapshot at step %d in %.1fs", version, step, seconds)
-        self._retain()
-        return False
-
     def wait(self, seconds: float) -> None:
         """Waits up to ``seconds`` for the export running; past that it is stopped and counted."""
-        deadline = time.monotonic() + seconds
-        while self.poll() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if self.running is not None:
-            process, output, version, step, _ = self.running
-            process.kill()
-            process.wait(timeout=10)
-            output.close()
-            self.running = None
-            self._failed(version, step, f"stopped unfinished after {seconds:.0f}s, at the worker's stop")
+        watcher = self.running
+        if watcher is None:
+            return
+        watcher.join(timeout=seconds)
+        if watcher.is_alive() and self.process is not None:
+            self.stopped = True
+            self.process.kill()
+            watcher.join(timeout=10)
+        self.stopped = False
 
     def _failed(self, version: int, step: int, reason: str) -> None:
         if self.metrics:
             self.metrics.bases_failed.inc()
         log.error("base %d from the snapshot at step %d failed (training goes on): %s", version, step, reason)
-
-    def _retain(self) -> None:
-        """Keeps the newest ``delivery.keep_bases`` bases, and always the one current.json names."""
-        try:
-            current = json.loads(self.fs.cat_file(f"{self.root}/current.json")).get("path")
-        except (OSError, ValueError):
-            current = None
-        bases = []
-        for entry in self.fs.ls(self.root, detail=False):
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
-            match = _BASE.match(name)
-            if match and not match[2]:
-                bases.append((int(match[1]), name))
-        for _version, name in sorted(bases, reverse=True)[self.config.keep_bases :]:
-            if name != current:
-                try:
-                    self.fs.rm(f"{self.root}/{name}", recursive=True)
-                except OSError as error:  # the next export's retention tries again
-                    log.warning("could not remove the old base %s: %s", name, error)
 
 
 class Publisher:
@@ -648,9 +629,8 @@ class Publisher:
             return
         newest = self.newest_snapshot_step()
         if clean and newest > self.bases.last_step:
-            if self.bases.poll():
-                # The final snapshot's base supersedes a periodic one still being exported.
-                self.bases.wait(0.0)
+            # The final snapshot's base supersedes a periodic one still being exported.
+            self.bases.wait(0.0)
             self.bases.start(newest, new_chain=False)
         # Room left for the rest of the stop (the sources' and producers' close) within the grace.
         self.bases.wait(max(deadline - time.monotonic() - STOP_MARGIN_SECONDS, 0.0) if clean else 0.0)
