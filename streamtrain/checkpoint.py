@@ -370,6 +370,9 @@ class Checkpointer:
         self.last_attempt_step = 0
         self.consecutive_failures = 0
         self.last_failure = ""
+        # Steps whose snapshots a reader outside this class is still using (a base export): kept
+        # past keep_last until it lets go.
+        self.pinned: set[int] = set()
         # One stager for the worker's life: it keeps its pinned buffers. One save is in flight at
         # a time, so a staging never overwrites the buffers a write is still reading.
         options = staging_options(_device_of(model), config.async_mode)
@@ -525,7 +528,7 @@ class Checkpointer:
     def _retain(self) -> None:
         snapshots = list_snapshots(self.root)
         complete = [s for s in snapshots if s.complete]
-        keep = {s.path for s in complete[: self.config.keep_last]}
+        keep = {s.path for s in complete[: self.config.keep_last]} | {s.path for s in complete if s.step in self.pinned}
         newest = complete[0].step if complete else 0
         fs, _ = _fs(self.root)
         for snapshot in snapshots:

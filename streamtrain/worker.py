@@ -242,7 +242,7 @@ def run_worker(
     if checkpointer and config.delivery.enabled:
         publisher = Publisher(
             config, trainer.model, trainer.plan, env.rank, env.world_size, own_group(), own_group(),
-            snapshots.state, lambda: checkpointer.last_saved_step, metrics,
+            snapshots.state, lambda: checkpointer.last_saved_step, checkpointer.pinned, metrics,
         )  # fmt: skip
         publisher.begin_chain(restored)
     start_snapshot = restored.step if restored else None

@@ -120,7 +120,7 @@ def test_a_failed_delivery_is_retried_while_training_goes_on_and_nothing_is_lost
     stream = StreamState()
     target = FlakyTarget()
     publisher = Publisher(
-        config, trainer.model, trainer.plan, 0, 1, None, None, stream, lambda: 0, metrics, target=target
+        config, trainer.model, trainer.plan, 0, 1, None, None, stream, lambda: 0, metrics=metrics, target=target
     )
     publisher.bases = None  # no base exports here: see test_the_base_export_is_called_with_the_agreed_flags
     stream.delivery = DeliveryPosition(chain=4, next_sequence=10)
@@ -177,10 +177,15 @@ def test_the_base_export_is_called_with_the_agreed_flags(tmp_path, monkeypatch):
     )
     config = config_for(tmp_path, keep_bases=2).delivery
     metrics = WorkerMetrics()
-    bases = BaseExports(config, str(tmp_path / "snapshots"), metrics, export_command=[sys.executable, str(stand_in)])
+    pinned: set[int] = set()
+    bases = BaseExports(
+        config, str(tmp_path / "snapshots"), metrics, pinned, export_command=[sys.executable, str(stand_in)]
+    )
     assert bases.allocate() == 1
     bases.start(0, new_chain=True, version=1)
+    assert pinned == {0}  # the checkpointer keeps the snapshot while it is exported
     bases.wait(60)
+    assert pinned == set()
     for step in (5, 10):
         bases.start(step, new_chain=False)
         bases.wait(60)

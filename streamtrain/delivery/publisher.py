@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import re
 import subprocess
@@ -63,6 +64,7 @@ DIRECTORY_CHUNK_BYTES = 8 * 2**20
 _BASE = re.compile(r"^base-(\d+)(\.partial)?$")
 # The base exporter (streamtrain/delivery/artifact.py), run as a process of its own.
 EXPORT_COMMAND = (sys.executable, "-m", "streamtrain", "export")
+EXPORT_NICENESS = 10
 # In delivery.path: the newest base version allocated, exported or not.
 RESERVED = "reserved-version"
 # Where ClickModel's tables sit in the DMP's state dict and plan.
@@ -290,8 +292,12 @@ class BaseExports:
         config: DeliveryConfig,
         checkpoint_path: str,
         metrics: WorkerMetrics | None,
+        pinned: set[int] | None = None,
         export_command: Sequence[str] = EXPORT_COMMAND,
     ):
+        """``pinned``: the checkpointer's steps kept past its retention; the snapshot being exported
+        is in it, so that newer snapshots do not remove it under the export."""
+        self.pinned = pinned if pinned is not None else set()
         self.config = config
         self.export_command = list(export_command)
         self.checkpoint_path = checkpoint_path
@@ -340,12 +346,17 @@ class BaseExports:
             *(["--new-chain"] if new_chain else []),
         ]  # fmt: skip
         output = tempfile.TemporaryFile()  # noqa: SIM115 - the watcher reads and closes it
+        self.pinned.add(step)
         try:
             process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         except OSError as error:
             output.close()
+            self.pinned.discard(step)
             self._failed(version, step, f"could not start it: {error}")
             return
+        with contextlib.suppress(OSError):  # where priorities cannot be lowered, it runs as it is
+            # When the CPU is short, training goes first; the export takes what is left.
+            os.setpriority(os.PRIO_PROCESS, process.pid, EXPORT_NICENESS)
         self.process, self.last_step = process, step
         self.last_started_at = time.monotonic()
         log.info("exporting base %d from the snapshot at step %d (pid %d)", version, step, process.pid)
@@ -362,6 +373,7 @@ class BaseExports:
         output.seek(0)
         text = output.read().decode(errors="replace")
         output.close()
+        self.pinned.discard(step)
         if self.stopped:
             self._failed(version, step, f"stopped unfinished after {seconds:.0f}s, at the worker's stop")
         elif process.returncode != 0:
@@ -414,6 +426,7 @@ class Publisher:
         send_group: dist.ProcessGroup | None,
         stream: StreamState,
         newest_snapshot_step: Callable[[], int],
+        pinned_snapshots: set[int] | None = None,
         metrics: WorkerMetrics | None = None,
         target: DeltaTarget | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -443,7 +456,7 @@ class Publisher:
         self.done.set()
         self.abandon = threading.Event()
         checkpoint_path = config.checkpoint_path_for_delivery()
-        self.bases = BaseExports(delivery, checkpoint_path, metrics) if rank == 0 else None
+        self.bases = BaseExports(delivery, checkpoint_path, metrics, pinned_snapshots) if rank == 0 else None
         self.target: DeltaTarget | None = None
         if rank == 0:
             self.target = target or (
