@@ -352,7 +352,7 @@ class BaseExports:
         except OSError as error:
             output.close()
             self.pinned.discard(step)
-            self._failed(version, step, f"could not start it: {error}")
+            self.failed(version, step, f"could not start it: {error}")
             return
         with contextlib.suppress(OSError):  # where priorities cannot be lowered, it runs as it is
             # When the CPU is short, training goes first; the export takes what is left.
@@ -375,10 +375,10 @@ class BaseExports:
         output.close()
         self.pinned.discard(step)
         if self.stopped:
-            self._failed(version, step, f"stopped unfinished after {seconds:.0f}s, at the worker's stop")
+            self.failed(version, step, f"stopped unfinished after {seconds:.0f}s, at the worker's stop")
         elif process.returncode != 0:
             tail = " | ".join(text.strip().splitlines()[-5:])
-            self._failed(version, step, f"streamtrain export exited with {process.returncode}: {tail}")
+            self.failed(version, step, f"streamtrain export exited with {process.returncode}: {tail}")
         else:
             if self.metrics:
                 self.metrics.bases_published.inc()
@@ -405,7 +405,8 @@ class BaseExports:
             watcher.join(timeout=10)
         self.stopped = False
 
-    def _failed(self, version: int, step: int, reason: str) -> None:
+    def failed(self, version: int, step: int, reason: str) -> None:
+        """Counts and logs a base that was not published."""
         if self.metrics:
             self.metrics.bases_failed.inc()
         log.error("base %d from the snapshot at step %d failed (training goes on): %s", version, step, reason)
@@ -493,7 +494,7 @@ class Publisher:
         if self.bases is None or self.stream.delivery is None:
             return
         if snapshot_step is None:
-            self.bases._failed(self.stream.delivery.chain, self.stream.step, "no snapshot to export it from")
+            self.bases.failed(self.stream.delivery.chain, self.stream.step, "no snapshot to export it from")
             return
         self.bases.start(snapshot_step, new_chain=True, version=self.stream.delivery.chain)
 
