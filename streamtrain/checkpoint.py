@@ -60,15 +60,27 @@ class SnapshotsFailing(CheckpointError):
     """Too many snapshots in a row failed: every rank raises it at the same step, and exits."""
 
 
+@dataclass(frozen=True)
+class DeliveryPosition:
+    """Where model delivery stood at a snapshot (docs/delivery.md): the base version the current
+    delta chain started from, and the sequence number of the next delta, which a restored worker
+    continues from."""
+
+    chain: int
+    next_sequence: int
+
+
 @dataclass
 class StreamState:
     """Where the stream stood at a snapshot: the next offset and the trained-event count of every
-    partition (all ranks' partitions, gathered), the step, and the newest event time trained."""
+    partition (all ranks' partitions, gathered), the step, the newest event time trained, and,
+    with delivery on, the delta chain's position (the same on every rank)."""
 
     step: int = 0
     next_offsets: dict[int, int] = field(default_factory=dict)
     trained: dict[int, int] = field(default_factory=dict)
     event_time_high_water_ms: int = 0
+    delivery: DeliveryPosition | None = None
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -76,15 +88,19 @@ class StreamState:
     @classmethod
     def from_json(cls, text: str) -> StreamState:
         raw = json.loads(text)
+        delivery = raw.get("delivery")  # absent in snapshots from before delivery, or without it
         return cls(
             step=raw["step"],
             next_offsets={int(p): o for p, o in raw["next_offsets"].items()},
             trained={int(p): n for p, n in raw["trained"].items()},
             event_time_high_water_ms=raw["event_time_high_water_ms"],
+            delivery=DeliveryPosition(int(delivery["chain"]), int(delivery["next_sequence"])) if delivery else None,
         )
 
     def copy(self) -> StreamState:
-        return StreamState(self.step, dict(self.next_offsets), dict(self.trained), self.event_time_high_water_ms)
+        return StreamState(
+            self.step, dict(self.next_offsets), dict(self.trained), self.event_time_high_water_ms, self.delivery
+        )
 
     def merged(self, other: StreamState) -> StreamState:
         return StreamState(
@@ -92,6 +108,7 @@ class StreamState:
             {**self.next_offsets, **other.next_offsets},
             {**self.trained, **other.trained},
             max(self.event_time_high_water_ms, other.event_time_high_water_ms),
+            self.delivery or other.delivery,
         )
 
 
@@ -353,6 +370,9 @@ class Checkpointer:
         self.last_attempt_step = 0
         self.consecutive_failures = 0
         self.last_failure = ""
+        # Steps whose snapshots a reader outside this class is still using (a base export): kept
+        # past keep_last until it lets go.
+        self.pinned: set[int] = set()
         # One stager for the worker's life: it keeps its pinned buffers. One save is in flight at
         # a time, so a staging never overwrites the buffers a write is still reading.
         options = staging_options(_device_of(model), config.async_mode)
@@ -510,7 +530,7 @@ class Checkpointer:
     def _retain(self) -> None:
         snapshots = list_snapshots(self.root)
         complete = [s for s in snapshots if s.complete]
-        keep = {s.path for s in complete[: self.config.keep_last]}
+        keep = {s.path for s in complete[: self.config.keep_last]} | {s.path for s in complete if s.step in self.pinned}
         newest = complete[0].step if complete else 0
         fs, _ = _fs(self.root)
         for snapshot in snapshots:

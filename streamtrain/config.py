@@ -383,6 +383,43 @@ class DeadLetterConfig(_Strict):
         return self.topic or f"{source_topic}.dlq"
 
 
+class DeliveryConfig(_Strict):
+    """Model delivery (docs/delivery.md): servable bases exported from the snapshots, and deltas of
+    the rows touched since the last one, cut between steps like a snapshot."""
+
+    enabled: bool = False
+    # Where deltas go: a Kafka topic on kafka.bootstrap_servers (unset: "<kafka.topic>.model";
+    # created with one partition when missing) ...
+    topic: str | None = Field(default=None, min_length=1)
+    # ... or, instead, a directory or fsspec URL: delta-<chain>-<sequence>/part-<i>, COMPLETE last.
+    directory: str | None = Field(default=None, min_length=1)
+    # Where bases are published (base-<version>/, current.json). Unset: <checkpoint.path>/serving.
+    path: str | None = Field(default=None, min_length=1)
+    # Names the model in every delta and base. Unset: kafka.topic.
+    model_id: str | None = Field(default=None, min_length=1)
+    delta_interval_seconds: float = Field(default=5.0, gt=0)
+    # Also cut a delta every N steps; 0: time only. With checkpoint.interval_steps equal to it, a
+    # delta and a snapshot fall on the same steps (the tests compare them).
+    delta_interval_steps: int = Field(default=0, ge=0)
+    # A base from the newest committed snapshot this often, besides the one at start and at a
+    # graceful stop.
+    base_interval_seconds: float = Field(default=600.0, gt=0)
+    # Bases kept in delivery.path (the export removes older ones, never the one current.json names).
+    keep_bases: int = Field(default=3, gt=0)
+    # One attempt to deliver a delta (librdkafka's message.timeout.ms); a failed one is counted
+    # and retried, doubling the wait up to 30 s, while training goes on (see README).
+    delivery_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+
+    def resolved_topic(self, source_topic: str) -> str:
+        return self.topic or f"{source_topic}.model"
+
+    def resolved_path(self, checkpoint_path: str) -> str:
+        return self.path or f"{checkpoint_path.rstrip('/')}/serving"
+
+    def resolved_model_id(self, source_topic: str) -> str:
+        return self.model_id or source_topic
+
+
 class WorkerConfig(_Strict):
     kafka: KafkaConfig
     features: FeaturesConfig
@@ -392,6 +429,22 @@ class WorkerConfig(_Strict):
     distributed: DistributedConfig = DistributedConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     dead_letter: DeadLetterConfig = DeadLetterConfig()
+    delivery: DeliveryConfig = DeliveryConfig()
+
+    @model_validator(mode="after")
+    def _deltas_elsewhere(self) -> WorkerConfig:
+        if not self.delivery.enabled:
+            return self
+        topic = self.delivery.resolved_topic(self.kafka.topic)
+        if self.delivery.directory is None and topic in (
+            self.kafka.topic,
+            self.dead_letter.resolved_topic(self.kafka.topic),
+        ):
+            raise ValueError(
+                f"delivery.topic: {topic} is the training or dead-letter topic; deltas would be read as events. "
+                f"Leave delivery.topic unset for {self.kafka.topic}.model, or name another topic"
+            )
+        return self
 
     @model_validator(mode="after")
     def _dead_letters_elsewhere(self) -> WorkerConfig:
@@ -414,7 +467,25 @@ class WorkerConfig(_Strict):
         features = self.features.model_dump(mode="json", exclude={"schema_registry"})
         if self.features.schema_registry is not None:
             features["schema_registry"] = {"url": self.features.schema_registry.url}
-        return {"kafka": {"topic": self.kafka.topic}, "features": features, "model": self.model.model_dump(mode="json")}
+        return {
+            "kafka": {"topic": self.kafka.topic},
+            "features": features,
+            "model": self.model.model_dump(mode="json"),
+            # Bases name the model as the worker's deltas do (delivery.model_id, else the topic).
+            "delivery": {"model_id": self.delivery.resolved_model_id(self.kafka.topic)},
+        }
+
+    def checkpoint_path_for_delivery(self) -> str:
+        """checkpoint.path, which delivery needs. Asked when the worker starts, not when the config
+        is parsed: the reference config has delivery on and leaves checkpoint.path to the
+        deployment, and ``streamtrain plan`` and the benchmarks read it without either."""
+        if not self.checkpoint.path:
+            raise ConfigError(
+                "invalid worker configuration:\n  delivery.enabled needs checkpoint.path: bases are exported "
+                "from snapshots, and the delta sequence continues from them; set checkpoint.path "
+                "(STREAMTRAIN_CHECKPOINT__PATH) or delivery.enabled: false (STREAMTRAIN_DELIVERY__ENABLED=false)"
+            )
+        return self.checkpoint.path
 
     def tasks(self) -> list[TaskConfig]:
         """The tasks trained, in head order: model.tasks, else the one on features.label."""

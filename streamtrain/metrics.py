@@ -346,6 +346,51 @@ class WorkerMetrics:
         self.checkpoint_failures = Counter(
             "streamtrain_checkpoint_failures", "Snapshots that failed to write.", registry=registry
         )
+        # Model delivery (streamtrain/delivery/publisher.py): rank 0 publishes; every rank cuts.
+        self.deltas_published = Counter(
+            "streamtrain_deltas_published", "Deltas delivered whole to the delta topic or directory.", registry=registry
+        )
+        self.delta_bytes = Counter(
+            "streamtrain_delta_bytes", "Bytes of the delta chunks delivered, headers included.", registry=registry
+        )
+        self.delta_failures = Counter(
+            "streamtrain_delta_failures",
+            "Delta delivery attempts that failed (each is retried), and deltas given up at a stop.",
+            registry=registry,
+        )
+        self.delta_cut_seconds = Histogram(
+            "streamtrain_delta_cut_seconds",
+            "Training time a delta's cut takes: the ranks' touched ids gathered and this rank's rows copied.",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=registry,
+        )
+        self.delta_publish_seconds = Histogram(
+            "streamtrain_delta_publish_seconds",
+            "From a delta's cut to its delivery, in the background: gathered, encoded, delivered.",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=registry,
+        )
+        self.delta_last_sequence = Gauge(
+            "streamtrain_delta_last_sequence", "Sequence number of the last delta delivered.", registry=registry
+        )
+        self.delta_rows = Histogram(
+            "streamtrain_delta_rows",
+            "Embedding rows (over all tables) per delta delivered.",
+            buckets=(0, 10, 100, 1_000, 10_000, 100_000, 1_000_000, 10_000_000),
+            registry=registry,
+        )
+        self.bases_published = Counter(
+            "streamtrain_bases_published", "Servable bases exported from snapshots.", registry=registry
+        )
+        self.bases_failed = Counter(
+            "streamtrain_bases_failed", "Base exports that failed or were stopped unfinished.", registry=registry
+        )
+        self.base_export_seconds = Histogram(
+            "streamtrain_base_export_seconds",
+            "How long one base export (a background process) took.",
+            buckets=(1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+            registry=registry,
+        )
         self._server: ThreadingHTTPServer | None = None
 
     @property

@@ -20,6 +20,7 @@ from streamtrain.checkpoint import EXIT_SNAPSHOTS_FAILING, Checkpointer, Snapsho
 from streamtrain.config import WorkerConfig
 from streamtrain.deadletter import Rejections
 from streamtrain.decode import AvroBatchDecoder
+from streamtrain.delivery.publisher import Publisher
 from streamtrain.device import gloo_group, init_distributed
 from streamtrain.lockstep import Lockstep, SnapshotSchedule
 from streamtrain.metrics import Health, WorkerMetrics
@@ -177,6 +178,8 @@ def run_worker(
     Under torchrun every rank runs this; the ranks step in lockstep (see ``Lockstep``). Each of
     ``observers`` sees every step that trained events, and is closed at the end.
     """
+    if config.delivery.enabled:
+        config.checkpoint_path_for_delivery()  # refused before anything starts
     env = init_distributed(config.distributed.timeout_seconds, config.distributed.device)
     metrics = WorkerMetrics(config.metrics.auc_window, [t.name for t in config.tasks()])
     metrics.info.info({"rank": str(env.rank), "world_size": str(env.world_size), "topic": config.kafka.topic})
@@ -235,17 +238,29 @@ def run_worker(
     snapshots = SnapshotSchedule(
         config, checkpointer, restored, source.next_offset, source.partitions, commit=prefetcher.commits.offer
     )
-    if checkpointer and restored is None and config.checkpoint.init_from:
+    publisher = None
+    if checkpointer and config.delivery.enabled:
+        publisher = Publisher(
+            config, trainer.model, trainer.plan, env.rank, env.world_size, own_group(), own_group(),
+            snapshots.state, lambda: checkpointer.last_saved_step, checkpointer.pinned, metrics,
+        )  # fmt: skip
+        publisher.begin_chain(restored)
+    start_snapshot = restored.step if restored else None
+    if checkpointer and restored is None and (config.checkpoint.init_from or publisher):
         # The warm start becomes this run's step 0: a restart before the first snapshot resumes
-        # from it, not from init_from, which may have moved on meanwhile.
-        checkpointer.save(snapshots.state.copy())
+        # from it, not from init_from, which may have moved on meanwhile. Delivery exports its
+        # first base from it.
+        saved = checkpointer.save(snapshots.state.copy())
+        start_snapshot = saved.step if saved else None
+    if publisher:
+        publisher.publish_start_base(start_snapshot)
     steps = Lockstep(
         prefetcher,
         lambda: prefetcher.prepare(decoder.decode([]).batch),
         env.world_size,
         own_group(),
         flush_after_seconds=config.batching.max_batch_wait_ms / 1000,
-        questions=snapshots.questions(),
+        questions={**snapshots.questions(), **(publisher.questions() if publisher else {})},
         heartbeat=health.beat,
         max_events=max_events,
     )
@@ -263,7 +278,11 @@ def run_worker(
                 progress.record(result)
                 snapshots.record(result.step, result.batch)
                 metrics.global_step.set(snapshots.state.step)  # continues from a restored snapshot's step
-                snapshots.act(steps.take_agreed())
+                agreed = steps.take_agreed()
+                if publisher:
+                    publisher.record(result.batch.sparse_features)
+                    publisher.act(agreed)  # first: a snapshot at this step records the delta cut at it
+                snapshots.act(agreed)
     except SnapshotsFailing as error:  # raised on every rank at the same step
         log.error("rank %d: %s", env.rank, error)
         exit_code = EXIT_SNAPSHOTS_FAILING
@@ -280,10 +299,15 @@ def run_worker(
     finally:
         shutdown.begin()  # a signal began it already; else the end of the stream, max_events or a peer's stop
         prefetcher.join(timeout=shutdown.remaining())
+        clean = exit_code == 0 and sys.exc_info()[0] is None
         try:
+            if publisher:
+                publisher.stop_deltas(clean, shutdown.remaining() / 3)
             # The prefetch thread has stopped: the consumer is called directly.
-            snapshots.close(clean=exit_code == 0 and sys.exc_info()[0] is None, commit=source.commit)
+            snapshots.close(clean=clean, commit=source.commit)
         finally:
+            if publisher:
+                publisher.close(clean, shutdown.remaining())
             rejections.close()
             source.close()
             metrics.close()

@@ -109,6 +109,8 @@ def worker_environment(bootstrap: str, topic: str, record: Path, metrics_port: i
         "STREAMTRAIN_KAFKA__GROUP_ID": f"bench-{topic}",
         "STREAMTRAIN_METRICS__PORT": str(metrics_port),
         "STREAMTRAIN_RUN_RECORD": str(record),
+        # Training alone, without snapshots to publish from; delivery's cost is measured on its own.
+        "STREAMTRAIN_DELIVERY__ENABLED": "false",
     }
 
 

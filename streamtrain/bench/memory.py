@@ -46,6 +46,7 @@ def bench_memory(config_path: Path, seconds: float, backlog_events: int, progres
             "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": broker.bootstrap_servers,
             "STREAMTRAIN_KAFKA__TOPIC": "memory",
             "STREAMTRAIN_METRICS__PORT": str(free_port()),
+            "STREAMTRAIN_DELIVERY__ENABLED": "false",  # the worker's own memory, without snapshots
         }
         worker = subprocess.Popen(
             [sys.executable, "-m", "streamtrain", "worker", "--config", str(config_path)],

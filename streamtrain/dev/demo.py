@@ -48,6 +48,8 @@ def run_demo(metrics_port: int = 9100, rate: float = 20_000) -> int:
         raw = yaml.safe_load((CHECKOUT / "deploy" / "worker.yaml").read_text())
         raw["kafka"]["bootstrap_servers"] = broker.bootstrap_servers
         raw["metrics"]["port"] = metrics_port
+        # Delivery publishes from snapshots: the demo keeps them beside its broker's data.
+        raw.setdefault("checkpoint", {}).setdefault("path", str(broker.workdir / "snapshots"))
         config = parse_config(raw)
         try:
             return run_worker(config)

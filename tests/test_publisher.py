@@ -1,0 +1,226 @@
+"""The publisher's parts on one real rank: touched ids, a delivery that fails and is retried while
+training goes on, the directory target, the base export's call, and the delivery config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from conftest import REPO, SCHEMA
+from streamtrain.checkpoint import DeliveryPosition, StreamState
+from streamtrain.config import ConfigError, parse_config
+from streamtrain.decode import AvroBatchDecoder
+from streamtrain.delivery.deltas import Assembler, Delta, DeltaId, DensePiece, RowPiece
+from streamtrain.delivery.publisher import (
+    RETRY_MAX_SECONDS,
+    BaseExports,
+    DeliveryFailed,
+    DirectoryTarget,
+    Publisher,
+    TouchedIds,
+)
+from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
+from streamtrain.device import init_distributed
+from streamtrain.metrics import WorkerMetrics
+from streamtrain.source import RawEvent
+from streamtrain.train import Trainer
+
+
+def config_for(tmp_path: Path, **delivery):
+    raw = yaml.safe_load((REPO / "tests" / "worker-small.yaml").read_text())
+    raw["kafka"] = {"bootstrap_servers": "127.0.0.1:9", "topic": "clicks"}
+    raw["checkpoint"] = {"path": str(tmp_path / "snapshots")}
+    raw["delivery"] = {"enabled": True, **delivery}
+    return parse_config(raw, environ={})
+
+
+def test_delivery_config_names_the_field_and_the_fix(tmp_path):
+    raw = yaml.safe_load((REPO / "tests" / "worker-small.yaml").read_text())
+    raw["kafka"] = {"bootstrap_servers": "127.0.0.1:9", "topic": "clicks"}
+    raw["delivery"] = {"enabled": True}
+    with pytest.raises(ConfigError, match=r"delivery.enabled needs checkpoint.path.*STREAMTRAIN_CHECKPOINT__PATH"):
+        parse_config(raw, environ={}).checkpoint_path_for_delivery()
+    raw["checkpoint"] = {"path": "/snapshots"}
+    with pytest.raises(ConfigError, match=r"delivery.topic: clicks is the training or dead-letter topic"):
+        parse_config({**raw, "delivery": {"enabled": True, "topic": "clicks"}}, environ={})
+    delivery = parse_config(raw, environ={}).delivery
+    assert delivery.resolved_topic("clicks") == "clicks.model"
+    assert delivery.resolved_path("/snapshots") == "/snapshots/serving"
+    assert delivery.resolved_model_id("clicks") == "clicks"
+    assert not parse_config({**raw, "delivery": {}}, environ={}).delivery.enabled  # off by default
+
+
+def kjt(ids: dict[str, list[int]]) -> KeyedJaggedTensor:
+    keys = list(ids)
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys,
+        torch.tensor([v for k in keys for v in ids[k]], dtype=torch.int64),
+        torch.tensor([len(ids[k]) for k in keys], dtype=torch.int32),
+    )
+
+
+def test_touched_ids_are_each_tables_unique_rows_across_compactions():
+    touched = TouchedIds(["a", "b"], compact_at=4)
+    touched.add(kjt({"a": [5, 3, 5], "b": []}))
+    touched.add(kjt({"a": [3, 9], "b": [1]}))  # past compact_at: reduced to unique ids, none lost
+    touched.add(kjt({"a": [2], "b": [1, 7]}))
+    assert touched
+    taken = touched.take()
+    assert not touched
+    assert taken["a"].tolist() == [2, 3, 5, 9] and taken["b"].tolist() == [1, 7]
+    assert all(ids.size == 0 for ids in touched.take().values())  # a take starts afresh
+
+
+@pytest.fixture(scope="module")
+def batches():
+    raw = yaml.safe_load((REPO / "tests" / "worker-small.yaml").read_text())
+    raw["kafka"] = {"bootstrap_servers": "unused:9092", "topic": "unused"}
+    decoder = AvroBatchDecoder(parse_config(raw, environ={}).features)
+    events = [
+        RawEvent(0, i, value, 0)
+        for i, (_k, value, _p, _c) in enumerate(encoded_events(ClickStream(8, 0), AvroEncoder(SCHEMA), 1536))
+    ]
+    return [decoder.decode(events[i : i + 256]).batch for i in range(0, len(events), 256)]
+
+
+class FlakyTarget:
+    """A delta target that refuses deliveries, as an unreachable topic would, until ``reachable``."""
+
+    def __init__(self):
+        self.reachable = threading.Event()
+        self.failures = 0
+        self.delivered: list[Delta] = []
+
+    def send(self, delta: Delta) -> int:
+        if not self.reachable.is_set():
+            self.failures += 1
+            raise DeliveryFailed("the delta topic is unreachable")
+        self.delivered.append(delta)
+        return 1
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_failed_delivery_is_retried_while_training_goes_on_and_nothing_is_lost(tmp_path, batches):
+    config = config_for(tmp_path, delta_interval_steps=1, delta_interval_seconds=3600)
+    trainer = Trainer(config, init_distributed())
+    metrics = WorkerMetrics()
+    stream = StreamState()
+    target = FlakyTarget()
+    publisher = Publisher(
+        config, trainer.model, trainer.plan, 0, 1, None, None, stream, lambda: 0, metrics=metrics, target=target
+    )
+    publisher.bases = None  # no base exports here: see test_the_base_export_is_called_with_the_agreed_flags
+    stream.delivery = DeliveryPosition(chain=4, next_sequence=10)
+
+    touched: list[set[int]] = []
+    for result in trainer.train(iter(batches)):
+        stream.step = result.step
+        publisher.record(result.batch.sparse_features)
+        touched.append(set(result.batch.sparse_features["user_id"].values().tolist()))
+        publisher.act({"delta": publisher.due(), "delta_sent": publisher.sent()})
+    # Six steps trained while the first delta waited for its retries: one delta in flight, no other cut.
+    assert publisher.in_flight and stream.delivery == DeliveryPosition(4, 11)
+    target.reachable.set()
+    assert publisher.done.wait(RETRY_MAX_SECONDS + 5)
+    publisher.act({"delta_sent": publisher.sent()})
+    publisher.stop_deltas(clean=True, seconds=10)  # the stop's delta carries every row touched meanwhile
+    publisher.close(clean=True, seconds=10)
+    first, last = target.delivered
+    assert (first.id.base_version, first.id.sequence, first.id.step) == (4, 10, 1)
+    assert (last.id.base_version, last.id.sequence, last.id.step) == (4, 11, len(batches))
+    user_rows = lambda delta: {i for p in delta.rows if p.table == "user_id" for i in p.ids.tolist()}  # noqa: E731
+    assert user_rows(first) == touched[0]
+    assert user_rows(last) == set().union(*touched[1:])
+    assert stream.delivery == DeliveryPosition(4, 12)
+    assert metrics.delta_failures._value.get() == target.failures > 0
+    assert metrics.deltas_published._value.get() == 2
+
+
+def test_the_directory_target_writes_the_parts_then_the_marker(tmp_path):
+    delta = Delta(
+        DeltaId("clicks", 3, 7, 120, 1_700_000_000_000, 0),
+        [RowPiece("user_id", np.arange(5, dtype=np.int64), 0, np.ones((5, 8), np.float32))],
+        [DensePiece("dense.weight", (2, 2), 0, np.arange(4, dtype=np.float32))],
+    )
+    DirectoryTarget(str(tmp_path / "deltas")).send(delta)
+    folder = tmp_path / "deltas" / "delta-000003-000000007"
+    assert (folder / "COMPLETE").exists()
+    assembler = Assembler()
+    (whole,) = [d for d in (assembler.add(p.read_bytes()) for p in sorted(folder.glob("part-*"))) if d]
+    assert (whole.id.base_version, whole.id.sequence, whole.id.step) == (3, 7, 120)
+    assert whole.rows[0].ids.tolist() == list(range(5)) and whole.dense[0].values.tolist() == [0, 1, 2, 3]
+
+
+def test_the_base_export_is_called_with_the_agreed_flags(tmp_path, monkeypatch):
+    """A stand-in for ``streamtrain export`` (built elsewhere) records its arguments and writes a base."""
+    stand_in = tmp_path / "export.py"
+    stand_in.write_text(
+        "import json, os, sys\n"
+        "args = sys.argv[1:]\n"
+        "out, version = args[args.index('--out') + 1], int(args[args.index('--version') + 1])\n"
+        "os.makedirs(f'{out}/base-{version:06d}')\n"
+        "open(f'{out}/calls.jsonl', 'a').write(json.dumps(args) + '\\n')\n"
+        "sys.exit(int(os.environ.get('FAIL_EXPORT', '0')))\n"
+    )
+    config = config_for(tmp_path, keep_bases=2).delivery
+    metrics = WorkerMetrics()
+    pinned: set[int] = set()
+    bases = BaseExports(
+        config, str(tmp_path / "snapshots"), metrics, pinned, export_command=[sys.executable, str(stand_in)]
+    )
+    assert bases.allocate() == 1
+    bases.start(0, new_chain=True, version=1)
+    assert pinned == {0}  # the checkpointer keeps the snapshot while it is exported
+    bases.wait(60)
+    assert pinned == set()
+    for step in (5, 10):
+        bases.start(step, new_chain=False)
+        bases.wait(60)
+    serving = tmp_path / "snapshots" / "serving"
+    calls = [json.loads(line) for line in (serving / "calls.jsonl").read_text().splitlines()]
+    assert calls[0] == [
+        "--checkpoint", str(tmp_path / "snapshots"), "--step", "0", "--out", str(serving),
+        "--version", "1", "--keep", "2", "--new-chain",
+    ]  # fmt: skip
+    assert [c[c.index("--version") + 1] for c in calls] == ["1", "2", "3"] and "--new-chain" not in calls[1]
+    assert metrics.bases_published._value.get() == 3
+
+    # A failed export is counted, and its version is not handed out again.
+    monkeypatch.setenv("FAIL_EXPORT", "1")
+    bases.start(15, new_chain=False)
+    bases.wait(60)
+    assert metrics.bases_failed._value.get() == 1
+    fresh = BaseExports(config, str(tmp_path / "snapshots"), None, export_command=[sys.executable, str(stand_in)])
+    assert fresh.allocate() == 5
+    started = time.monotonic()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    slow = BaseExports(config, str(tmp_path / "snapshots"), metrics, export_command=sleeper)
+    slow.start(20, new_chain=False)
+    slow.wait(0.5)  # past its bound at a stop: stopped and counted
+    assert time.monotonic() - started < 15 and metrics.bases_failed._value.get() == 2
+
+
+def test_a_worker_with_delivery_and_no_checkpoint_path_exits_2_naming_the_field():
+    result = subprocess.run(
+        [sys.executable, "-m", "streamtrain", "worker", "--config", str(REPO / "tests" / "worker-small.yaml")],
+        cwd=REPO,
+        env={**os.environ, "STREAMTRAIN_DELIVERY__ENABLED": "true"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "delivery.enabled needs checkpoint.path" in result.stderr and "STREAMTRAIN_CHECKPOINT__PATH" in result.stderr
