@@ -327,6 +327,8 @@ class IdSpace:
             per_key[name] = step.rows[mine[name]]
             self._count(name, step, mine[name])
         values = torch.cat(list(per_key.values()))  # in the KJT's key order, as split
+        if features.values().is_pinned():  # so the pipeline's copy to the GPU stays asynchronous
+            values = values.pin_memory()
         translated = KeyedJaggedTensor(keys=features.keys(), values=values.to(device), lengths=features.lengths())
         return replace(batch, sparse_features=translated)
 
