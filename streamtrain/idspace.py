@@ -306,6 +306,8 @@ class IdSpace:
         self.to_reset: deque[_Mapped] = deque()  # mapped, forward pass not yet started
         self.resetter: RowResetter | None = None
         self.eviction_log: dict[str, deque[tuple[int, Evictions]]] = {t.name: deque() for t in self.tables}
+        # The id-space step after which the log holds every eviction: a restore starts it afresh.
+        self.eviction_log_from = 0
         if metrics:
             for t in self.tables:
                 metrics.rows.labels(t.name).set(t.live_rows())
@@ -350,6 +352,7 @@ class IdSpace:
                     log_.append((self.at_cut.step, evictions))
             while log_ and log_[0][0] <= self.at_cut.step - _EVICTION_LOG_STEPS:
                 log_.popleft()
+        self.eviction_log_from = max(self.eviction_log_from, self.at_cut.step - _EVICTION_LOG_STEPS)
 
     def _gather(
         self, own: dict[str, torch.Tensor], newest: int
@@ -407,6 +410,7 @@ class IdSpace:
         self.ahead = copy.deepcopy(self.at_cut)
         for log_ in self.eviction_log.values():
             log_.clear()
+        self.eviction_log_from = self.at_cut.step
 
     def raw_ids(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
         """At the cut: the rows of ``table`` that hold live ids, ascending, and those raw ids."""
@@ -414,11 +418,11 @@ class IdSpace:
 
     def evicted_since(self, table: str, step: int) -> Evictions | None:
         """Ids of ``table`` evicted after id-space step ``step`` up to the cut, oldest first (an id
-        may appear more than once); None when the log no longer reaches back that far."""
-        log_ = self.eviction_log[table]
-        if step < self.at_cut.step - _EVICTION_LOG_STEPS:
+        may appear more than once); None when the log does not reach back that far (it keeps
+        10,000 steps, and starts afresh at a restore): then take everything (``raw_ids``)."""
+        if step < self.eviction_log_from:
             return None
-        later = [e for s, e in log_ if s > step]
+        later = [e for s, e in self.eviction_log[table] if s > step]
         if not later:
             return Evictions.none()
         return Evictions(torch.cat([e.rows for e in later]), torch.cat([e.ids for e in later]))

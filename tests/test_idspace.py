@@ -23,7 +23,7 @@ from streamtrain.decode import AvroBatchDecoder, ClickBatch
 from streamtrain.dev.kafka import free_port
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 from streamtrain.device import gloo_group, init_distributed
-from streamtrain.idspace import IdMapping, TableIds, TableStep
+from streamtrain.idspace import IdMapping, IdSpace, TableIds, TableStep
 from streamtrain.source import RawEvent
 from streamtrain.train import Trainer
 
@@ -195,6 +195,33 @@ def test_no_two_ids_share_a_row_under_heavy_churn(policy):
     assert evicted > 100 and len(ids.index) > 0
 
 
+def test_the_cut_tells_deltas_each_rows_raw_id_and_what_was_evicted_since_a_step():
+    config = parse_config(managed_raw(rows={"user_id": 40}), environ={})
+    decoder = AvroBatchDecoder(config.features)
+    id_space = IdSpace(config.features, 1, None)
+    steps = global_batches(4)
+    for events in steps[:3]:  # mapped ahead of training; the cut is at the first two
+        id_space.translate(decoder.decode(events).batch)
+    for _ in range(2):
+        id_space.before_forward()
+        id_space.trained()
+    assert id_space.step == 2
+    assert_same_state(id_space.state_dict(), oracle(steps[:2], {"user_id": 40}))
+    rows, raw_ids = id_space.raw_ids("user_id")
+    table = id_space.at_cut.tables["user_id"]
+    assert rows.tolist() == list(range(39)) and raw_ids.tolist() == [int(table.ids[r]) for r in rows]
+    assert table.index == dict(zip(raw_ids.tolist(), rows.tolist(), strict=True))
+    since_first, since_start = id_space.evicted_since("user_id", 1), id_space.evicted_since("user_id", 0)
+    assert since_first is not None and since_start is not None
+    assert 0 < len(since_first) <= len(since_start)  # step 2 evicted; step 1 filled free rows
+    assert not set(since_first.ids.tolist()) & set(raw_ids.tolist())  # evicted, and not back
+    assert len(id_space.evicted_since("user_id", 2)) == 0
+    id_space.in_flight.clear()
+    id_space.load_state_dict(id_space.state_dict())  # as a restore does
+    assert id_space.evicted_since("user_id", 1) is None  # the log starts afresh at the cut
+    assert len(id_space.evicted_since("user_id", 2)) == 0
+
+
 # --- real ranks -----------------------------------------------------------------------------------
 
 
@@ -364,14 +391,14 @@ def _snapshot_rank(rank: int, world_size: int, port: int, out: str, phase: str) 
 SNAPSHOT_STEP = 5
 
 
-def oracle(steps: list[list[RawEvent]]) -> dict:
+def oracle(steps: list[list[RawEvent]], rows: dict[str, int] = ROWS) -> dict:
     """The map a single process builds from the same global steps, without a pipeline or ranks."""
-    config = parse_config(managed_raw(), environ={})
+    config = parse_config(managed_raw(rows=rows), environ={})
     decoder = AvroBatchDecoder(config.features)
     mapping = IdMapping([t for t in config.features.tables if t.id_mapping == "managed"])
     for events in steps:
         batch: ClickBatch = decoder.decode(events).batch
-        mapping.update({n: batch.sparse_features[n].values() for n in ROWS}, int(batch.event_time_ms.max()))
+        mapping.update({n: batch.sparse_features[n].values() for n in rows}, int(batch.event_time_ms.max()))
     return mapping.state_dict()
 
 
