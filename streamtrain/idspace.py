@@ -31,8 +31,8 @@ How it stays right:
     shards. This happens just before the forward pass of the batch that first uses it, not when
     the batch is mapped: the batches already in the pipeline may still train the row's old id.
   - **Exactly-once.** The pipeline maps batches ahead of training, so two copies are kept: the
-    one ahead, which maps, and the trained one, which replays each step's update once its batch
-    has trained. Snapshots hold the trained one, which matches the weights and positions of the
+    one ahead, which maps, and the trained one, which applies what each step decided once its
+    batch has trained. Snapshots hold the trained one, which matches the weights and positions of the
     cut; a restore maps the re-read batches again from it.
 
 Ids of a table are kept in a Python dict (id -> row) beside tensors per row; per step, the work is
@@ -43,12 +43,13 @@ a dict lookup per distinct id plus vectorised tensor updates, and a victim searc
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import math
 import sys
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -93,18 +94,30 @@ class Evictions:
 
 @dataclass(frozen=True)
 class TableStep:
-    """What one step did to one table."""
+    """What one step does to one table: decided once (``TableIds.decide``), then applied to each
+    copy of the map (``TableIds.apply``), so the trained copy repeats no lookup or search."""
 
-    rows: torch.Tensor  # the row of each id given, in order
-    assigned: torch.Tensor  # rows given to new ids: to start fresh
-    evicted: Evictions  # ids evicted for lack of room
-    expired: Evictions  # ids evicted by ttl
+    step: int
+    now_ms: int  # the step's newest event time
+    rows: torch.Tensor  # the row of each id given, in order (the unknown row for ids without one)
     unknown: torch.Tensor  # bool per id given: it reads the unknown row
+    seen: torch.Tensor  # rows of live ids seen this step, and how often
+    seen_counts: torch.Tensor
+    cells: torch.Tensor  # [salts, n]: admission sketch cells of the ids counted, and their counts
+    cell_counts: torch.Tensor
+    evicted: Evictions  # ids evicted for lack of room
+    assigned: torch.Tensor  # rows given to new ids, which start fresh; the ids, and how often seen
+    new_ids: torch.Tensor
+    new_counts: torch.Tensor
+    expired: Evictions = field(default_factory=Evictions.none)  # ids evicted by ttl, known once applied
 
 
 def _uniform(hashed: np.ndarray) -> np.ndarray:
     """Hashes as floats in [0, 1): their top 53 bits."""
     return (hashed >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+_NO_CELLS = torch.zeros((0, 0), dtype=torch.int64)
 
 
 class TableIds:
@@ -132,52 +145,84 @@ class TableIds:
     def update(self, ids: torch.Tensor, step: int, now_ms: int) -> TableStep:
         """Map ``ids`` (all ranks' ids of step ``step``, whose newest event is at ``now_ms``),
         admitting and evicting as configured."""
+        decided = self.decide(ids, step, now_ms)
+        return replace(decided, expired=self.apply(decided))
+
+    def decide(self, ids: torch.Tensor, step: int, now_ms: int) -> TableStep:
+        """What mapping ``ids`` at ``step`` does, without doing it."""
         unique, inverse, counts = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
-        index = self.index
-        rows = torch.tensor([index.get(i, -1) for i in unique.tolist()], dtype=torch.int64)
+        keys = unique.tolist()
+        found = np.fromiter(map(self.index.get, keys, itertools.repeat(-1, len(keys))), np.int64, len(keys))
+        rows = torch.from_numpy(found)
         hit = rows >= 0
         seen = rows[hit]
-        self.last_step[seen] = step
-        self.last_time_ms[seen] = now_ms
-        self.counts[seen] += counts[hit]
-
         waiting = (~hit).nonzero().squeeze(1)
-        admitted = waiting[self._admit(unique[waiting], counts[waiting], step)]
+        admit, cells = self._admit(unique[waiting], counts[waiting], step)
+        admitted = waiting[admit]
         free, evicted = self._rows_for(int(admitted.numel()), seen)
         assigned = torch.cat((free, evicted.rows))
         admitted = admitted[: assigned.numel()]  # the rest found no row this step: unknown
-        new_ids = unique[admitted]
-        self.ids[assigned] = new_ids
+        rows[admitted] = assigned
+        unknown = rows < 0
+        rows[unknown] = self.unknown_row
+        return TableStep(
+            step=step,
+            now_ms=now_ms,
+            rows=rows[inverse],
+            unknown=unknown[inverse],
+            seen=seen,
+            seen_counts=counts[hit],
+            cells=cells,
+            cell_counts=counts[waiting] if cells.numel() else torch.zeros(0, dtype=torch.int64),
+            evicted=evicted,
+            assigned=assigned,
+            new_ids=unique[admitted],
+            new_counts=counts[admitted],
+        )
+
+    def apply(self, decided: TableStep) -> Evictions:
+        """Do what ``decide`` decided, on this copy; returns the ids ttl expired."""
+        step, now_ms = decided.step, decided.now_ms
+        self.last_step[decided.seen] = step
+        self.last_time_ms[decided.seen] = now_ms
+        self.counts[decided.seen] += decided.seen_counts
+        for row, cells in enumerate(decided.cells):
+            self.sketch[row].index_add_(0, cells, decided.cell_counts)
+        for old in decided.evicted.ids.tolist():
+            del self.index[old]
+        assigned = decided.assigned
+        self.ids[assigned] = decided.new_ids
         self.in_use[assigned] = True
         self.last_step[assigned] = step
         self.last_time_ms[assigned] = now_ms
-        self.counts[assigned] = counts[admitted]
-        index.update(zip(new_ids.tolist(), assigned.tolist(), strict=True))
-        rows[admitted] = assigned
-
-        expired = Evictions.none()
+        self.counts[assigned] = decided.new_counts
+        self.index.update(zip(decided.new_ids.tolist(), assigned.tolist(), strict=True))
         if step % self.eviction.interval_steps == 0:
-            expired = self._interval(step, now_ms)
-        unknown = rows < 0
-        rows[unknown] = self.unknown_row
-        return TableStep(rows[inverse], assigned, evicted, expired, unknown[inverse])
+            return self._interval(step, now_ms)
+        return Evictions.none()
 
-    def _admit(self, ids: torch.Tensor, counts: torch.Tensor, step: int) -> torch.Tensor:
+    def _admit(self, ids: torch.Tensor, counts: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which of ``ids`` (without rows, seen ``counts`` times) are admitted, and for min_count
+        the sketch cells that count them."""
         rule = self.admission
         if rule is None or ids.numel() == 0:
-            return torch.ones(ids.numel(), dtype=torch.bool)
+            return torch.ones(ids.numel(), dtype=torch.bool), _NO_CELLS
         raw = ids.numpy().view(np.uint64)
         if rule.probability is not None:
             draw = _uniform(splitmix64(raw ^ splitmix64(np.array([step], dtype=np.uint64))))
-            return torch.from_numpy(draw < rule.probability)
-        estimate = torch.full((ids.numel(),), _INT64_MAX, dtype=torch.int64)
-        width = np.uint64(self.sketch.shape[1])
-        for row, salt in enumerate(_SKETCH_SALTS):
-            cells = torch.from_numpy((splitmix64(raw ^ salt) % width).astype(np.int64))
-            self.sketch[row].index_add_(0, cells, counts)
-            estimate = torch.minimum(estimate, self.sketch[row][cells])
+            return torch.from_numpy(draw < rule.probability), _NO_CELLS
         assert rule.min_count is not None
-        return estimate >= rule.min_count
+        width = np.uint64(self.sketch.shape[1])
+        cells = torch.stack(
+            [torch.from_numpy((splitmix64(raw ^ salt) % width).astype(np.int64)) for salt in _SKETCH_SALTS]
+        )
+        estimate = torch.full((ids.numel(),), _INT64_MAX, dtype=torch.int64)
+        for row, row_cells in enumerate(cells):
+            # the cell's count once this step's sightings are added (ids sharing a cell add up)
+            shared, where = torch.unique(row_cells, return_inverse=True)
+            added = torch.zeros(shared.numel(), dtype=torch.int64).index_add_(0, where, counts)
+            estimate = torch.minimum(estimate, self.sketch[row][row_cells] + added[where])
+        return estimate >= rule.min_count, cells
 
     def _rows_for(self, wanted: int, seen: torch.Tensor) -> tuple[torch.Tensor, Evictions]:
         """Up to ``wanted`` rows: free ones first (lowest first), then the policy's victims among
@@ -194,10 +239,7 @@ class TableIds:
         key[seen] = _INT64_MAX
         key[free] = _INT64_MAX
         victims = torch.topk(key, short, largest=False, sorted=True).indices
-        evicted = Evictions(victims, self.ids[victims].clone())
-        for old in evicted.ids.tolist():
-            del self.index[old]
-        return free, evicted
+        return free, Evictions(victims, self.ids[victims].clone())
 
     def _interval(self, step: int, now_ms: int) -> Evictions:
         eviction = self.eviction
@@ -261,6 +303,11 @@ class IdMapping:
         self.step += 1
         return {name: table.update(ids[name], self.step, now_ms) for name, table in self.tables.items()}
 
+    def apply(self, steps: dict[str, TableStep]) -> dict[str, Evictions]:
+        """Take the next step as another copy decided it; the ids ttl expired, per table."""
+        self.step += 1
+        return {name: table.apply(steps[name]) for name, table in self.tables.items()}
+
     def state_dict(self) -> dict[str, object]:
         return {"step": torch.tensor(self.step), **{n: t.state_dict() for n, t in self.tables.items()}}
 
@@ -274,13 +321,15 @@ class IdMapping:
 
 @dataclass(frozen=True)
 class _Mapped:
-    """A batch mapped ahead of training: what replays it on the trained copy, and the rows to reset
-    before its forward pass."""
+    """A batch mapped ahead of training: what its step does to each table, which the trained copy
+    repeats once it has trained, and the rows to reset before its forward pass."""
 
-    ids: dict[str, torch.Tensor]
-    now_ms: int
-    fresh: dict[str, torch.Tensor]
+    steps: dict[str, TableStep]
     step: int
+
+    @property
+    def fresh(self) -> dict[str, torch.Tensor]:
+        return {name: step.assigned for name, step in self.steps.items()}
 
 
 class IdSpace:
@@ -322,7 +371,7 @@ class IdSpace:
         newest = int(batch.event_time_ms.max()) if batch.size else 0
         everyone, now_ms, mine = self._gather(own, newest)
         steps = self.ahead.update(everyone, now_ms)
-        mapped = _Mapped(everyone, now_ms, {n: s.assigned for n, s in steps.items()}, self.ahead.step)
+        mapped = _Mapped(steps, self.ahead.step)
         self.in_flight.append(mapped)
         self.to_reset.append(mapped)
         for name, step in steps.items():
@@ -344,10 +393,10 @@ class IdSpace:
     def trained(self) -> None:
         """The oldest batch in flight has trained: the trained copy takes its step."""
         mapped = self.in_flight.popleft()
-        steps = self.at_cut.update(mapped.ids, mapped.now_ms)
-        for name, step in steps.items():
+        expired = self.at_cut.apply(mapped.steps)
+        for name, step in mapped.steps.items():
             log_ = self.eviction_log[name]
-            for evictions in (step.evicted, step.expired):
+            for evictions in (step.evicted, expired[name]):
                 if len(evictions):
                     log_.append((self.at_cut.step, evictions))
             while log_ and log_[0][0] <= self.at_cut.step - _EVICTION_LOG_STEPS:
