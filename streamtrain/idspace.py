@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import copy
 import itertools
-import logging
 import math
 import sys
 from collections import deque
@@ -60,8 +59,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from streamtrain.config import EvictionConfig, FeaturesConfig, TableConfig
 from streamtrain.decode import ClickBatch, splitmix64
 from streamtrain.metrics import IdSpaceMetrics
-
-log = logging.getLogger(__name__)
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 # Two hash rows for the count sketch of ids waiting for admission, with salts that make them
@@ -345,7 +342,6 @@ class IdSpace:
         metrics: IdSpaceMetrics | None = None,
     ):
         self.tables = managed_tables(features)
-        self.keys = [t.name for t in features.tables]
         self.world_size = world_size
         self.group = group
         self.metrics = metrics
