@@ -70,7 +70,7 @@ NEXT_ITEM = 13     # body_target: ends one item; reads the next block count when
 CONST_INT = 14     # value: a reader default
 CONST_FLOAT = 15   # float64 bits: a reader default
 CONST_HASH = 16    # fnv1a64: a reader default string
-ID = 17            # table, num_embeddings, mode (0 modulo, 1 hash): appends the register as a row
+ID = 17            # table, num_embeddings, mode (0 modulo, 1 hash, 2 raw): appends the register as a row
 DENSE = 18         # column, transform (0 none, 1 log1p)
 LABEL = 19         # column: the task whose label this is
 TIME = 20          # divisor (1 for milliseconds, 1000 for microseconds)
@@ -732,7 +732,9 @@ def run_programs(
                 pc += 2
             elif op == ID:
                 table, size, mode = code[pc + 1], code[pc + 2], code[pc + 3]
-                if mode == 1:
+                if mode == 2:
+                    row = ival
+                elif mode == 1:
                     row = np.int64(_splitmix64(np.uint64(ival)) % np.uint64(size))
                 elif kind == KIND_HASH:
                     row = np.int64(np.uint64(ival) % np.uint64(size))

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint import FsspecReader, FsspecWriter
     from torch.distributed.checkpoint.metadata import Metadata
 
+    from streamtrain.idspace import IdSpace
     from streamtrain.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -350,8 +351,12 @@ class Checkpointer:
         world_size: int,
         group: dist.ProcessGroup | None,
         metrics: WorkerMetrics | None = None,
+        id_space: IdSpace | None = None,
     ):
         self.config = config
+        # The managed tables' id map at the cut: their rows mean nothing without it, so it travels
+        # with the model, in restores and warm starts alike.
+        self.id_space = id_space
         self.root = str(config.path)
         self.model = model
         self.optimizer = optimizer
@@ -383,7 +388,13 @@ class Checkpointer:
 
     # --- what goes in ---------------------------------------------------------------------
     def _state_dict(self, stream_json: str) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "stream": stream_json}
+        state = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "stream": stream_json}
+        if self.id_space is not None:
+            state["id_space"] = self.id_space.state_dict()
+        return state
+
+    def _with_id_space(self, parts: tuple[str, ...]) -> tuple[str, ...]:
+        return (*parts, "id_space") if self.id_space is not None and "model" in parts else parts
 
     # --- saving ---------------------------------------------------------------------------
     @property
@@ -650,6 +661,7 @@ class Checkpointer:
     def _load(self, path: str, partial: bool, parts: tuple[str, ...]) -> StreamState | None:
         if "optimizer" in parts:
             self.optimizer.init_state()  # fused optimizer state is lazy: create it so DCP can fill it in place
+        parts = self._with_id_space(parts)
         state = {k: v for k, v in self._state_dict("").items() if k in parts}
         reader = _fsspec_reader(path) if _is_url(path) else FileSystemReader(_fs(path)[1])
         if partial:
@@ -661,6 +673,8 @@ class Checkpointer:
             planner=DefaultLoadPlanner(allow_partial_load=partial),
         )
         self.model.load_state_dict(state["model"], strict=not partial)
+        if "id_space" in state and self.id_space is not None:
+            self.id_space.load_state_dict(state["id_space"])
         if "optimizer" in parts and not partial:
             # DCP filled the optimizer's state tensors in place; this restores the rest (steps,
             # param groups). A partial restore keeps the loaded tensors and fresh counters.

@@ -143,19 +143,114 @@ ShardingTypeName = Literal[
 ComputeKernelName = Literal["dense", "fused", "fused_uvm", "fused_uvm_caching"]
 
 
+class EvictionConfig(_Strict):
+    """Which live id gives up its row when a managed table is full (streamtrain/idspace.py)."""
+
+    # lru: the id seen longest ago; lfu: the id seen least often (counts halve every interval, so
+    # old popularity fades); ttl: as lru, and besides, every interval frees the rows of ids unseen
+    # for longer than the horizon.
+    policy: Literal["lru", "lfu", "ttl"] = "lru"
+    # ttl's horizon, in steps or in event time (the newest event of each step): set exactly one.
+    ttl_steps: int | None = Field(default=None, gt=0)
+    ttl_seconds: float | None = Field(default=None, gt=0)
+    # How often, in steps, ttl expires rows, lfu halves its counts and min_count admission halves
+    # its counts of waiting ids.
+    interval_steps: int = Field(default=100, gt=0)
+
+    @model_validator(mode="after")
+    def _horizon_with_ttl(self) -> EvictionConfig:
+        horizons = [n for n in ("ttl_steps", "ttl_seconds") if getattr(self, n) is not None]
+        if self.policy == "ttl" and len(horizons) != 1:
+            raise ValueError(
+                "policy ttl needs exactly one horizon: set either ttl_steps or ttl_seconds (event time)"
+                + (" (both are set)" if horizons else "")
+            )
+        if self.policy != "ttl" and horizons:
+            raise ValueError(f"{horizons[0]} is only read with policy: ttl; set that or remove it")
+        return self
+
+
+class AdmissionConfig(_Strict):
+    """Which new ids get a row of a managed table; the others share its unknown row meanwhile."""
+
+    # An id is admitted once it has been seen this many times (counted in a fixed-size sketch,
+    # halved every eviction interval).
+    min_count: int | None = Field(default=None, gt=0)
+    # Each sighting of a new id admits it with this probability (the same draw on every rank).
+    probability: float | None = Field(default=None, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _one_rule(self) -> AdmissionConfig:
+        if (self.min_count is None) == (self.probability is None):
+            raise ValueError(
+                "set exactly one of min_count (e.g. {min_count: 2}) or probability (e.g. {probability: 0.5})"
+            )
+        return self
+
+
 class TableConfig(_Strict):
     name: str = Field(min_length=1)
     field: str = Field(min_length=1, description="the schema field holding this feature's ids")
+    # The table's rows. A managed table sets rows instead (num_embeddings is then rows).
     num_embeddings: int = Field(gt=0)
     embedding_dim: int = Field(gt=0)
     pooling: Literal["sum", "mean"] = "sum"
     # modulo keeps small integer ids readable in the table; hash spreads large or structured ids.
-    # String ids are always hashed.
-    id_mapping: Literal["modulo", "hash"] = "modulo"
+    # String ids are always hashed. managed gives every live id a row of its own, with admission
+    # and eviction (streamtrain/idspace.py; the README's "Managed ids").
+    id_mapping: Literal["modulo", "hash", "managed"] = "modulo"
+    # managed only: the table's size; rows - 1 hold live ids and the last is the unknown row,
+    # shared by ids not admitted (yet).
+    rows: int | None = Field(default=None, ge=2)
+    eviction: EvictionConfig | None = None
+    # Unset: every new id is admitted.
+    admission: AdmissionConfig | None = None
     # Planner constraints; unset lets the planner choose. Without a GPU only data_parallel,
     # table_wise, column_wise and table_column_wise exist.
     sharding_types: list[ShardingTypeName] | None = Field(default=None, min_length=1)
     compute_kernels: list[ComputeKernelName] | None = Field(default=None, min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _managed_sized_by_rows(cls, raw: Any) -> Any:
+        if not isinstance(raw, dict):
+            return raw
+        managed = raw.get("id_mapping") == "managed"
+        if not managed:
+            extra = [k for k in ("rows", "eviction", "admission") if raw.get(k) is not None]
+            if extra:
+                raise ValueError(f"{extra[0]} is only read with id_mapping: managed; set that or remove it")
+            return raw
+        if raw.get("rows") is None:
+            raise ValueError("id_mapping managed needs rows, the table's size (e.g. rows: 100000)")
+        given = raw.get("num_embeddings")
+        if given is not None and given != raw["rows"]:
+            raise ValueError(
+                f"num_embeddings {given} disagrees with rows {raw['rows']}: a managed table is sized by rows; "
+                "remove num_embeddings"
+            )
+        return {**raw, "num_embeddings": raw["rows"]}
+
+    @model_validator(mode="after")
+    def _managed_rows_are_reset_in_place(self) -> TableConfig:
+        if self.id_mapping != "managed":
+            return self
+        # Evicted rows are re-initialised in fbgemm's table kernels, on whichever rank holds them;
+        # a data-parallel table is a replicated torch parameter with its own optimizer instead.
+        if self.sharding_types and "data_parallel" in self.sharding_types:
+            raise ValueError(
+                "sharding_types: a managed table cannot be data_parallel (its evicted rows are reset in the "
+                "sharded table kernels); use table_wise, column_wise or row_wise"
+            )
+        if self.compute_kernels and "dense" in self.compute_kernels:
+            raise ValueError(
+                "compute_kernels: a managed table needs a fused kernel (its rows are reset there); remove dense"
+            )
+        return self
+
+    def live_rows(self) -> int:
+        """A managed table's rows for live ids: all but the unknown row."""
+        return self.num_embeddings - 1
 
 
 class DenseFeature(_Strict):

@@ -15,7 +15,9 @@ Ids reach their tables by a documented, stable mapping (``map_ids``), identical 
   - integers, ``hash``: ``splitmix64(id as two's-complement uint64) mod num_embeddings``;
   - strings and bytes: first ``fnv1a64`` of the bytes (UTF-8 for strings; a string's bytes are
     hashed as they are, valid UTF-8 or not) as an unsigned id, then as above;
-  - enums: the reader's symbol index; booleans: 0 or 1.
+  - enums: the reader's symbol index; booleans: 0 or 1;
+  - ``managed``: the 64-bit id itself (a string's hash as int64), which ``streamtrain.idspace``
+    turns into a row just before training.
 Dense features, labels: the number as float64, the transform applied, then float32. A null dense
 value is 0.0. There is a label per task (``model.tasks``; one, ``features.label``, by default). A
 null label rejects the event when its task is required; otherwise it is NaN, which masks the
@@ -73,6 +75,8 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
 def map_ids(raw: np.ndarray, table: TableConfig) -> np.ndarray:
     """Table rows for raw ids (int64, or uint64 from string hashes)."""
     n = table.num_embeddings
+    if table.id_mapping == "managed":  # the raw id; streamtrain/idspace.py gives it a row
+        return raw.view(np.int64) if raw.dtype == np.uint64 else raw.astype(np.int64, copy=False)
     if table.id_mapping == "hash":
         return (splitmix64(raw.astype(np.uint64)) % np.uint64(n)).astype(np.int64)
     if raw.dtype == np.uint64:
@@ -313,6 +317,9 @@ _STATUS = {
 }
 
 
+_ID_MODES = {"modulo": 0, "hash": 1, "managed": 2}
+
+
 def feature_plan(features: FeaturesConfig, reader: dict, tasks: list[TaskConfig] | None = None) -> ap.FeaturePlan:
     """Which reader fields feed which table, dense column, task label and the event time."""
     plan = ap.FeaturePlan()
@@ -321,7 +328,7 @@ def feature_plan(features: FeaturesConfig, reader: dict, tasks: list[TaskConfig]
             table.field,
             ap.Sink(
                 ap.ID,
-                (t, table.num_embeddings, 1 if table.id_mapping == "hash" else 0),
+                (t, table.num_embeddings, _ID_MODES[table.id_mapping]),
                 f"-> table {table.name} ({table.id_mapping})",
             ),
         )

@@ -192,6 +192,44 @@ class Health:
         return 503, f"not ready: {self.not_ready_reason}\n"
 
 
+class IdSpaceMetrics:
+    """Managed tables' id space (streamtrain/idspace.py), labelled table=<name>. The mapping is the
+    same on every rank, so each rank reports the same occupancy, admissions, evictions and memory
+    (aggregate them with max); the unknown lookups are this rank's own events' (sum them)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.rows_in_use = Gauge(
+            "streamtrain_idspace_rows_in_use",
+            "Rows of a managed table holding a live id.",
+            ["table"],
+            registry=registry,
+        )
+        self.rows = Gauge(
+            "streamtrain_idspace_rows", "Rows of a managed table that live ids can hold.", ["table"], registry=registry
+        )
+        self.admissions = Counter(
+            "streamtrain_idspace_admissions", "New ids given a row of a managed table.", ["table"], registry=registry
+        )
+        self.evictions = Counter(
+            "streamtrain_idspace_evictions",
+            "Ids that lost their row: reason capacity (the table was full) or ttl (unseen past the horizon).",
+            ["table", "reason"],
+            registry=registry,
+        )
+        self.unknown_lookups = Counter(
+            "streamtrain_idspace_unknown_lookups",
+            "This rank's lookups of ids not admitted (yet), which read the table's unknown row.",
+            ["table"],
+            registry=registry,
+        )
+        self.memory_bytes = Gauge(
+            "streamtrain_idspace_memory_bytes",
+            "Host memory of a managed table's mapping (both copies: the one ahead and the trained one).",
+            ["table"],
+            registry=registry,
+        )
+
+
 class WorkerMetrics:
     def __init__(self, auc_window: int = 100_000, tasks: Sequence[str] = ("clk",)):
         self.registry = registry = CollectorRegistry()
@@ -391,6 +429,7 @@ class WorkerMetrics:
             buckets=(1, 2.5, 5, 10, 30, 60, 120, 300, 600),
             registry=registry,
         )
+        self.idspace = IdSpaceMetrics(registry)
         self._server: ThreadingHTTPServer | None = None
 
     @property

@@ -32,7 +32,9 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from streamtrain.config import WorkerConfig
 from streamtrain.decode import ClickBatch
-from streamtrain.device import DistEnv, device_memory_bytes, host_memory_bytes
+from streamtrain.device import DistEnv, device_memory_bytes, gloo_group, host_memory_bytes
+from streamtrain.idspace import IdSpace, RowResetter, managed_tables
+from streamtrain.metrics import IdSpaceMetrics
 from streamtrain.model import ClickModel
 
 log = logging.getLogger(__name__)
@@ -167,15 +169,30 @@ def plan_sharding(
     )
     planner = EmbeddingShardingPlanner(
         topology=planner_topology or topology(config, world_size, compute_device, device=dense_device),
-        constraints={
-            t.name: ParameterConstraints(sharding_types=t.sharding_types, compute_kernels=t.compute_kernels)
-            for t in config.features.tables
-            if t.sharding_types or t.compute_kernels
-        },
+        constraints=_constraints(config),
     )
     sharders = [EmbeddingBagCollectionSharder()]
     plan = planner.collective_plan(model, sharders, pg) if pg is not None else planner.plan(model, sharders)
     return model, plan
+
+
+# A managed table's evicted rows are reset inside fbgemm's fused kernels (idspace.RowResetter):
+# never data_parallel, whose replicas are torch parameters with an optimizer of their own. Nor
+# table_column_wise by default: at 2 CPU ranks with DTensor state, TorchRec 1.8 fails to build it
+# ("Found shape:None, stride:..."), and without data_parallel the planner would pick it for small tables.
+_MANAGED_SHARDING = ["table_wise", "column_wise", "row_wise", "table_row_wise"]
+
+
+def _constraints(config: WorkerConfig) -> dict[str, ParameterConstraints]:
+    constraints = {}
+    for t in config.features.tables:
+        managed = t.id_mapping == "managed"
+        if t.sharding_types or t.compute_kernels or managed:
+            constraints[t.name] = ParameterConstraints(
+                sharding_types=t.sharding_types or (_MANAGED_SHARDING if managed else None),
+                compute_kernels=t.compute_kernels or (["fused"] if managed else None),
+            )
+    return constraints
 
 
 _EBC = "dlrm.sparse_arch.embedding_bag_collection"
@@ -241,7 +258,7 @@ def write_plan_json(plan: ShardingPlan, config: WorkerConfig, world_size: int, p
 
 
 class Trainer:
-    def __init__(self, config: WorkerConfig, env: DistEnv):
+    def __init__(self, config: WorkerConfig, env: DistEnv, id_space_metrics: IdSpaceMetrics | None = None):
         self.env = env
         # The loss is scaled by world size over the global batch, which is right only if the
         # sharded tables' all-to-all backward divides their gradients by the world size (as DDP
@@ -278,6 +295,14 @@ class Trainer:
             enqueue_batch_after_forward=True,
         )
         self.step = 0
+        # Managed tables get rows from the id space just before the pipeline takes each batch;
+        # the rows a batch's step gave away start fresh just before that batch's forward pass.
+        self.id_space: IdSpace | None = None
+        if managed_tables(config.features):
+            group = gloo_group(env.world_size, config.distributed.timeout_seconds)
+            id_space = self.id_space = IdSpace(config.features, env.world_size, group, id_space_metrics)
+            id_space.resetter = RowResetter(self.model, managed_tables(config.features), config.model.seed)
+            self.model.module.register_forward_pre_hook(lambda _module, _args: id_space.before_forward())
 
     def train(self, batches: Iterable[ClickBatch]) -> Iterator[StepResult]:
         """Train every batch ``batches`` yields, in order; one result per trained batch."""
@@ -295,6 +320,8 @@ class Trainer:
                 waited += time.perf_counter() - asked
                 if batch is None:
                     return
+                if self.id_space is not None:
+                    batch = self.id_space.translate(batch)
                 taken.append(batch)
                 yield batch
 
@@ -307,5 +334,7 @@ class Trainer:
             except StopIteration:
                 return
             self.step += 1
+            if self.id_space is not None:
+                self.id_space.trained()
             readout = StepReadout(loss_sum, logits)
             yield StepResult(self.step, taken.popleft(), readout, time.perf_counter() - started, waited)

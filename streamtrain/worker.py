@@ -187,7 +187,7 @@ def run_worker(
     port = metrics.serve(config.metrics.host, config.metrics.port and config.metrics.port + env.local_rank, health)
     log.info("rank %d/%d: metrics on http://%s:%d/metrics", env.rank, env.world_size, config.metrics.host, port)
 
-    trainer = Trainer(config, env)
+    trainer = Trainer(config, env, metrics.idspace)
     if env.rank == 0:
         log.info("sharding plan:\n%s", describe_plan(trainer.plan, config, env.world_size))
         if config.distributed.plan_path:
@@ -201,7 +201,15 @@ def run_worker(
     checkpointer, restored = None, None
     if config.checkpoint.path:
         checkpointer = Checkpointer(
-            config.checkpoint, config, trainer.model, trainer.optimizer, env.rank, env.world_size, own_group(), metrics
+            config.checkpoint,
+            config,
+            trainer.model,
+            trainer.optimizer,
+            env.rank,
+            env.world_size,
+            own_group(),
+            metrics,
+            trainer.id_space,
         )
         restored = checkpointer.restore(allow_partial_restore)
         if restored is None and config.checkpoint.init_from:

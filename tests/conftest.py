@@ -252,7 +252,12 @@ def start_ranks(start_worker):
     """``world_size`` worker processes joined as torchrun would join them (RANK, WORLD_SIZE, MASTER_*)."""
 
     def start(
-        topic: str, world_size: int, *args: str, env: dict[str, str] | None = None, broker: KafkaBroker | None = None
+        topic: str,
+        world_size: int,
+        *args: str,
+        env: dict[str, str] | None = None,
+        broker: KafkaBroker | None = None,
+        config: Path = SMALL_CONFIG,
     ) -> list[WorkerProcess]:
         master_port = str(free_port())
         return [
@@ -260,6 +265,7 @@ def start_ranks(start_worker):
                 topic,
                 *args,
                 broker=broker,
+                config=config,
                 local_rank=rank,
                 env={
                     "MASTER_ADDR": "127.0.0.1",

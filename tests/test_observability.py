@@ -153,6 +153,10 @@ def test_every_dashboard_query_and_alert_works_on_a_live_prometheus(kafka, topic
             "STREAMTRAIN_CHECKPOINT__PATH": str(tmp_path / "snapshots"),
             "STREAMTRAIN_CHECKPOINT__INTERVAL_SECONDS": "2",
             "STREAMTRAIN_METRICS__LAG_REFRESH_SECONDS": "1",
+            # a managed table, so the id-space panels have something to show
+            "STREAMTRAIN_FEATURES__TABLES__0__ID_MAPPING": "managed",
+            "STREAMTRAIN_FEATURES__TABLES__0__ROWS": "2000",
+            "STREAMTRAIN_FEATURES__TABLES__0__NUM_EMBEDDINGS": "2000",
         },
     )
     prometheus = Prometheus(tmp_path, [f"127.0.0.1:{worker.metrics_port}"])

@@ -1,0 +1,441 @@
+"""Managed ids (streamtrain/idspace.py): the config and the map's rules first, then the invariants on
+real gloo ranks training through the pipeline: collision-free, rank-consistent, fresh rows for each
+sparse optimizer, the map of the trained batches in the snapshot, and a restore at another world
+size that maps as the uninterrupted run did. The SIGKILL trial on the real broker is in
+tests/test_idspace_faults.py."""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+import yaml
+
+from conftest import REPO, SCHEMA, leave_spawned_rank
+from streamtrain.checkpoint import Checkpointer, CheckpointError, StreamState
+from streamtrain.config import ConfigError, TableConfig, parse_config
+from streamtrain.decode import AvroBatchDecoder, ClickBatch
+from streamtrain.dev.kafka import free_port
+from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
+from streamtrain.device import gloo_group, init_distributed
+from streamtrain.idspace import IdMapping, IdSpace, TableIds, TableStep
+from streamtrain.source import RawEvent
+from streamtrain.train import Trainer
+
+# Small tables for the stream's Zipf ids (a million users), so rows are evicted from the first steps.
+ROWS = {"user_id": 200, "adgroup_id": 300}
+GLOBAL_BATCH = 256
+STEPS = 12
+
+
+def managed_raw(
+    optimizer: str = "row_wise_adagrad", sharding: dict[str, str] | None = None, rows: dict[str, int] = ROWS
+) -> dict:
+    raw = yaml.safe_load((REPO / "tests" / "worker-small.yaml").read_text())
+    raw["kafka"] = {"bootstrap_servers": "unused:9092", "topic": "unused"}
+    raw["model"]["sparse_optimizer"] = optimizer
+    for table in raw["features"]["tables"]:
+        if table["name"] in rows:
+            del table["num_embeddings"]
+            table.update(
+                id_mapping="managed", rows=rows[table["name"]], eviction={"policy": "lru", "interval_steps": 4}
+            )
+        if sharding and table["name"] in sharding:
+            table["sharding_types"] = [sharding[table["name"]]]
+    if "adgroup_id" in rows:  # ids seen twice before they get a row: some lookups read the unknown row
+        raw["features"]["tables"][1]["admission"] = {"min_count": 2}
+    return raw
+
+
+# --- config -------------------------------------------------------------------------------------
+
+
+def table(**fields) -> TableConfig:
+    return TableConfig.model_validate({"name": "t", "field": "f", "embedding_dim": 4, **fields})
+
+
+def test_a_managed_table_is_sized_by_rows():
+    managed = table(id_mapping="managed", rows=1000)
+    assert managed.num_embeddings == 1000 and managed.live_rows() == 999
+    assert table(id_mapping="managed", rows=1000, num_embeddings=1000).num_embeddings == 1000
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"id_mapping": "managed"}, "id_mapping managed needs rows"),
+        ({"id_mapping": "managed", "rows": 100, "num_embeddings": 50}, "num_embeddings 50 disagrees with rows 100"),
+        ({"num_embeddings": 10, "rows": 10}, "rows is only read with id_mapping: managed"),
+        ({"id_mapping": "managed", "rows": 10, "eviction": {"policy": "ttl"}}, "policy ttl needs exactly one horizon"),
+        (
+            {"id_mapping": "managed", "rows": 10, "eviction": {"policy": "lru", "ttl_steps": 5}},
+            "ttl_steps is only read with policy: ttl",
+        ),
+        ({"id_mapping": "managed", "rows": 10, "admission": {}}, "set exactly one of min_count"),
+        (
+            {"id_mapping": "managed", "rows": 10, "sharding_types": ["data_parallel"]},
+            "a managed table cannot be data_parallel",
+        ),
+    ],
+)
+def test_bad_managed_tables_are_refused_naming_the_field_and_fix(fields, message):
+    raw = managed_raw()
+    raw["features"]["tables"][0] = {"name": "user_id", "field": "user_id", "embedding_dim": 8, **fields}
+    with pytest.raises(ConfigError, match=r"features\.tables\.0") as error:
+        parse_config(raw, environ={})
+    assert message in str(error.value)
+
+
+def test_the_decoder_hands_managed_tables_the_raw_ids():
+    managed = parse_config(managed_raw(), environ={})
+    wide = managed_raw(rows={})
+    for t in wide["features"]["tables"][:2]:
+        t.update(num_embeddings=2**40, id_mapping="modulo")  # modulo a bound above every id: the id itself
+    plain = parse_config(wide, environ={})
+    events = [RawEvent(0, i, v, 0) for i, (_k, v, _p, _c) in enumerate(encoded_events(ClickStream(3, 0), ENCODER, 300))]
+    ours, theirs = (AvroBatchDecoder(c.features).decode(events).batch.sparse_features for c in (managed, plain))
+    for key in ROWS:
+        assert torch.equal(ours[key].values(), theirs[key].values())
+        assert int(ours[key].values().max()) >= ROWS[key]  # raw ids, not rows
+
+
+ENCODER = AvroEncoder(SCHEMA)
+
+
+# --- the map's rules ------------------------------------------------------------------------------
+
+
+def ids_table(rows: int = 4, **fields) -> TableIds:
+    return TableIds(table(id_mapping="managed", rows=rows, **fields))
+
+
+def map_once(ids: TableIds, values: list[int], step: int, now_ms: int = 0) -> TableStep:
+    given = torch.tensor(values, dtype=torch.int64)
+    result = ids.update(given, step, now_ms)
+    assert_collision_free(ids, given, result)
+    return result
+
+
+def assert_collision_free(ids: TableIds, given: torch.Tensor, step: TableStep) -> None:
+    rows, raw = ids.live()
+    assert len(set(raw.tolist())) == len(raw), "a live id holds two rows"
+    assert ids.index == dict(zip(raw.tolist(), rows.tolist(), strict=True))
+    holders: dict[int, set[int]] = defaultdict(set)
+    for raw_id, row in zip(given.tolist(), step.rows.tolist(), strict=True):
+        holders[row].add(raw_id)
+        if row != ids.unknown_row:
+            assert int(ids.ids[row]) == raw_id
+    assert all(len(h) == 1 for row, h in holders.items() if row != ids.unknown_row), "two ids share a row"
+    assert torch.equal(step.unknown, step.rows == ids.unknown_row)
+
+
+def test_lru_evicts_the_id_seen_longest_ago():
+    ids = ids_table(rows=4)  # three live rows and the unknown row
+    for step, values in enumerate([[1], [2], [3], [1]], start=1):
+        map_once(ids, values, step)
+    evicted = map_once(ids, [4], 5).evicted
+    assert evicted.ids.tolist() == [2]
+    assert ids.index[4] == int(evicted.rows[0])
+
+
+def test_lfu_evicts_the_id_seen_least_often():
+    ids = ids_table(rows=4, eviction={"policy": "lfu"})
+    for step, values in enumerate([[1, 1, 1], [2], [3, 3]], start=1):
+        map_once(ids, values, step)
+    assert map_once(ids, [4], 4).evicted.ids.tolist() == [2]
+
+
+def test_ttl_frees_the_rows_of_ids_unseen_past_the_horizon_in_steps_or_event_time():
+    ids = ids_table(rows=10, eviction={"policy": "ttl", "ttl_steps": 2, "interval_steps": 1})
+    expired = [map_once(ids, values, step).expired.ids.tolist() for step, values in enumerate([[1], [2], [2], [2]], 1)]
+    assert expired == [[], [], [], [1]] and 1 not in ids.index
+    timed = ids_table(rows=10, eviction={"policy": "ttl", "ttl_seconds": 10, "interval_steps": 1})
+    map_once(timed, [1], 1, now_ms=0)
+    assert map_once(timed, [2], 2, now_ms=9_000).expired.ids.tolist() == []
+    assert map_once(timed, [2], 3, now_ms=10_001).expired.ids.tolist() == [1]
+
+
+def test_min_count_admission_reads_the_unknown_row_until_the_count_is_reached():
+    ids = ids_table(rows=10, admission={"min_count": 2})
+    assert map_once(ids, [7, 8, 8], 1).rows.tolist() == [ids.unknown_row, 0, 0]
+    assert map_once(ids, [7], 2).rows.tolist() == [1]
+
+
+def test_probability_admission_admits_that_share_the_same_way_every_time():
+    draws = [ids_table(rows=20_001, admission={"probability": 0.3}) for _ in range(2)]
+    values = list(range(10_000, 30_000))
+    first, second = (map_once(ids, values, 1) for ids in draws)
+    assert torch.equal(first.rows, second.rows)
+    assert 0.28 < float((~first.unknown).float().mean()) < 0.32
+
+
+def test_more_new_ids_than_rows_in_one_step_read_the_unknown_row_and_live_ids_keep_theirs():
+    ids = ids_table(rows=4)
+    map_once(ids, [1, 2], 1)
+    result = map_once(ids, [1, 2, *range(10, 20)], 2)
+    assert result.rows[:2].tolist() == [ids.index[1], ids.index[2]]  # seen this step: never a victim
+    assert int((~result.unknown).sum()) == 3 and len(result.evicted) == 0
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "ttl"])
+def test_no_two_ids_share_a_row_under_heavy_churn(policy):
+    rng = np.random.default_rng(7)
+    eviction = {"policy": policy, "interval_steps": 3} | ({"ttl_steps": 5} if policy == "ttl" else {})
+    ids = ids_table(rows=50, eviction=eviction, admission={"min_count": 2})
+    evicted = 0
+    for step in range(1, 200):
+        values = (rng.zipf(1.3, size=int(rng.integers(0, 120))) % 5000).tolist()
+        result = map_once(ids, values, step, now_ms=step * 1000)
+        evicted += len(result.evicted) + len(result.expired)
+    assert evicted > 100 and len(ids.index) > 0
+
+
+def test_the_cut_tells_deltas_each_rows_raw_id_and_what_was_evicted_since_a_step():
+    config = parse_config(managed_raw(rows={"user_id": 40}), environ={})
+    decoder = AvroBatchDecoder(config.features)
+    id_space = IdSpace(config.features, 1, None)
+    steps = global_batches(4)
+    for events in steps[:3]:  # mapped ahead of training; the cut is at the first two
+        id_space.translate(decoder.decode(events).batch)
+    for _ in range(2):
+        id_space.before_forward()
+        id_space.trained()
+    assert id_space.step == 2
+    assert_same_state(id_space.state_dict(), oracle(steps[:2], {"user_id": 40}))
+    rows, raw_ids = id_space.raw_ids("user_id")
+    table = id_space.at_cut.tables["user_id"]
+    assert rows.tolist() == list(range(39)) and raw_ids.tolist() == [int(table.ids[r]) for r in rows]
+    assert table.index == dict(zip(raw_ids.tolist(), rows.tolist(), strict=True))
+    since_first, since_start = id_space.evicted_since("user_id", 1), id_space.evicted_since("user_id", 0)
+    assert since_first is not None and since_start is not None
+    assert 0 < len(since_first) <= len(since_start)  # step 2 evicted; step 1 filled free rows
+    assert not set(since_first.ids.tolist()) & set(raw_ids.tolist())  # evicted, and not back
+    assert len(id_space.evicted_since("user_id", 2)) == 0
+    id_space.in_flight.clear()
+    id_space.load_state_dict(id_space.state_dict())  # as a restore does
+    assert id_space.evicted_since("user_id", 1) is None  # the log starts afresh at the cut
+    assert len(id_space.evicted_since("user_id", 2)) == 0
+
+
+# --- real ranks -----------------------------------------------------------------------------------
+
+
+def join(rank: int, world_size: int, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+
+
+def global_batches(steps: int = STEPS) -> list[list[RawEvent]]:
+    events = [
+        RawEvent(0, i, value, 0)
+        for i, (_k, value, _p, _c) in enumerate(encoded_events(ClickStream(11, 0), ENCODER, GLOBAL_BATCH * steps))
+    ]
+    return [events[i : i + GLOBAL_BATCH] for i in range(0, len(events), GLOBAL_BATCH)]
+
+
+def rank_batches(decoder: AvroBatchDecoder, rank: int, world_size: int, steps: list[list[RawEvent]]) -> list:
+    """Each step's events dealt over the ranks; at step 3, rank 1 has none (an idle partition)."""
+    out = []
+    for number, events in enumerate(steps):
+        mine = [] if (world_size > 1 and rank == 1 and number == 3) else events[rank::world_size]
+        if world_size > 1 and rank == 0 and number == 3:
+            mine = events
+        out.append(decoder.decode(mine).batch.in_global_step(len(events), world_size))
+    return out
+
+
+def _consistency_rank(rank: int, world_size: int, port: int, out: str, optimizer: str) -> None:
+    join(rank, world_size, port)
+    config = parse_config(managed_raw(optimizer, {"user_id": "column_wise", "adgroup_id": "table_wise"}), environ={})
+    trainer = Trainer(config, init_distributed())
+    id_space = trainer.id_space
+    assert id_space is not None and id_space.resetter is not None
+    resetter = id_space.resetter
+    checked = {"rows": 0, "state_was_set": 0}
+    forward = id_space.before_forward
+
+    def forward_after_checking_the_reset() -> None:
+        mapped = id_space.to_reset[0]
+        before = {
+            name: [(shard.weights.clone(), [s.clone() for s in shard.states]) for shard in resetter.shards[name]]
+            for name in mapped.fresh
+        }
+        forward()
+        for name, rows in mapped.fresh.items():
+            fresh = resetter.fresh_weights(name, rows, mapped.step)
+            for shard, (old_weights, old_states) in zip(resetter.shards[name], before[name], strict=True):
+                local_rows, local_cols = shard.weights.shape
+                mine = (rows >= shard.row_offset) & (rows < shard.row_offset + local_rows)
+                local = rows[mine] - shard.row_offset
+                expected = fresh[mine][:, shard.col_offset : shard.col_offset + local_cols]
+                assert torch.equal(shard.weights[local], expected), name
+                assert all(bool((s[local] == 0).all()) for s in shard.states), name
+                others = torch.ones(local_rows, dtype=torch.bool)
+                others[local] = False
+                assert torch.equal(shard.weights[others], old_weights[others]), "a reset touched another row"
+                checked["rows"] += int(local.numel())
+                # rows an earlier id trained: the evictions this test is about
+                trained = torch.zeros(int(local.numel()), dtype=torch.bool)
+                for state in old_states:
+                    trained |= (state[local].reshape(int(local.numel()), -1) != 0).any(dim=1)
+                checked["state_was_set"] += int(trained.sum())
+
+    id_space.before_forward = forward_after_checking_the_reset  # type: ignore[method-assign]
+    decoder = AvroBatchDecoder(config.features)
+    batches = rank_batches(decoder, rank, world_size, global_batches())
+    raw = {name: [b.sparse_features[name].values() for b in batches] for name in ROWS}
+    pairs = []
+    for result in trainer.train(iter(batches)):
+        for name in ROWS:
+            rows = result.batch.sparse_features[name].values().tolist()
+            raw_ids = raw[name][result.step - 1].tolist()
+            pairs += [(result.step, name, i, r) for i, r in zip(raw_ids, rows, strict=True)]
+    # The state dict's tensors are the kernel's own: the resets above are what trains and is saved.
+    state = trainer.model.state_dict()["dlrm.sparse_arch.embedding_bag_collection.embedding_bags.adgroup_id.weight"]
+    shards = state.to_local().local_shards() if hasattr(state.to_local(), "local_shards") else []
+    for shard in shards:
+        assert (
+            shard.untyped_storage().data_ptr() == resetter.shards["adgroup_id"][0].weights.untyped_storage().data_ptr()
+        )
+    torch.save(
+        {"pairs": pairs, "at_cut": id_space.state_dict(), "ahead": id_space.ahead.state_dict(), "checked": checked},
+        f"{out}/rank{rank}.pt",
+    )
+    leave_spawned_rank()
+
+
+@pytest.mark.parametrize("optimizer", ["row_wise_adagrad", "adagrad", "sgd"])
+def test_two_ranks_map_every_id_to_one_row_alone_and_evicted_rows_start_fresh(tmp_path, optimizer):
+    mp.spawn(_consistency_rank, args=(2, free_port(), str(tmp_path), optimizer), nprocs=2)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+    # rank-consistent: both ranks hold the same map, ahead and at the cut
+    assert_same_state(results[0]["at_cut"], results[1]["at_cut"])
+    assert_same_state(results[0]["ahead"], results[0]["at_cut"])
+    # collision-free over the ranks: at each step an id has one row, and a row one id (but unknown)
+    unknown = {name: rows - 1 for name, rows in ROWS.items()}
+    row_of: dict[tuple, set[int]] = defaultdict(set)
+    id_of: dict[tuple, set[int]] = defaultdict(set)
+    readers: dict[tuple, set[int]] = defaultdict(set)
+    for rank, result in enumerate(results):
+        for step, name, raw_id, row in result["pairs"]:
+            row_of[step, name, raw_id].add(row)
+            readers[step, name, raw_id].add(rank)
+            if row != unknown[name]:
+                id_of[step, name, row].add(raw_id)
+    assert all(len(rows) == 1 for rows in row_of.values()), "an id got two rows in one step"
+    assert all(len(ids) == 1 for ids in id_of.values()), "two ids shared a row in one step"
+    assert sum(len(r) == 2 for r in readers.values()) > 20  # ids both ranks read at the same step
+    assert any(row == unknown["adgroup_id"] for (_s, name, _i), (row,) in row_of.items() if name == "adgroup_id")
+    # fresh rows: evicted rows were reused, re-initialised, their optimizer state zeroed
+    checked = [r["checked"] for r in results]
+    assert sum(c["rows"] for c in checked) >= sum(ROWS.values()), checked
+    if optimizer != "sgd":  # sgd keeps no state
+        assert sum(c["state_was_set"] for c in checked) > 50, checked
+
+
+def assert_same_state(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys()
+    for key, value in ours.items():
+        if isinstance(value, dict):
+            assert_same_state(value, theirs[key])
+        else:
+            assert torch.equal(value, theirs[key]), key
+
+
+def _snapshot_rank(rank: int, world_size: int, port: int, out: str, phase: str) -> None:
+    """``first``: train every step, snapshotting after step SNAPSHOT_STEP; ``restored``: restore that
+    snapshot (at another world size) and train the steps after it."""
+    join(rank, world_size, port)
+    raw = managed_raw()
+    raw["checkpoint"] = {"path": f"{out}/snapshots"}
+    config = parse_config(raw, environ={})
+    env = init_distributed()
+    trainer = Trainer(config, env)
+    assert trainer.id_space is not None
+    group = gloo_group(world_size, 60)
+    checkpointer = Checkpointer(
+        config.checkpoint, config, trainer.model, trainer.optimizer, rank, world_size, group, None, trainer.id_space
+    )
+    steps = global_batches()
+    saved = {}
+    if phase == "first":
+        batches = rank_batches(AvroBatchDecoder(config.features), rank, world_size, steps)
+        for result in trainer.train(iter(batches)):
+            if result.step == SNAPSHOT_STEP:
+                # as the worker does, between two steps, while later batches are already mapped
+                assert len(trainer.id_space.in_flight) > 0
+                checkpointer.save(StreamState(step=result.step))
+                saved = {"mapped_ahead": trainer.id_space.ahead.step}
+    else:
+        restored = checkpointer.restore()
+        assert restored is not None and restored.step == SNAPSHOT_STEP
+        saved = {"restored": copy.deepcopy(trainer.id_space.state_dict())}  # training goes on in place
+        batches = rank_batches(AvroBatchDecoder(config.features), rank, world_size, steps[SNAPSHOT_STEP:])
+        list(trainer.train(iter(batches)))
+    torch.save({**saved, "final": trainer.id_space.state_dict()}, f"{out}/{phase}{rank}.pt")
+    leave_spawned_rank()
+
+
+SNAPSHOT_STEP = 5
+
+
+def oracle(steps: list[list[RawEvent]], rows: dict[str, int] = ROWS) -> dict:
+    """The map a single process builds from the same global steps, without a pipeline or ranks."""
+    config = parse_config(managed_raw(rows=rows), environ={})
+    decoder = AvroBatchDecoder(config.features)
+    mapping = IdMapping([t for t in config.features.tables if t.id_mapping == "managed"])
+    for events in steps:
+        batch: ClickBatch = decoder.decode(events).batch
+        mapping.update({n: batch.sparse_features[n].values() for n in rows}, int(batch.event_time_ms.max()))
+    return mapping.state_dict()
+
+
+def test_the_snapshot_holds_the_map_of_the_trained_batches_and_restores_at_another_world_size(tmp_path):
+    mp.spawn(_snapshot_rank, args=(2, free_port(), str(tmp_path), "first"), nprocs=2)
+    first = torch.load(tmp_path / "first0.pt", weights_only=False)
+    assert first["mapped_ahead"] > SNAPSHOT_STEP  # the pipeline had mapped batches beyond the cut
+
+    mp.spawn(_snapshot_rank, args=(1, free_port(), str(tmp_path), "restored"), nprocs=1)
+    restored = torch.load(tmp_path / "restored0.pt", weights_only=False)
+    steps = global_batches()
+    # the cut's map is that of exactly the trained steps, not of the ones mapped ahead
+    assert_same_state(restored["restored"], oracle(steps[:SNAPSHOT_STEP]))
+    # one rank continuing from it maps as the two uninterrupted ranks did, and as the oracle does
+    assert_same_state(restored["final"], first["final"])
+    assert_same_state(first["final"], oracle(steps))
+    for name in ROWS:
+        live = restored["final"][name]["ids"][restored["final"][name]["in_use"]]
+        assert live.unique().numel() == live.numel(), f"{name}: an id holds two rows after the restore"
+
+
+def test_a_snapshot_with_other_rows_is_refused_clearly(tmp_path):
+    raw = managed_raw()
+    raw["checkpoint"] = {"path": str(tmp_path / "snapshots")}
+    config = parse_config(raw, environ={})
+    env = init_distributed()
+    trainer = Trainer(config, env)
+    batches = rank_batches(AvroBatchDecoder(config.features), 0, 1, global_batches(2))
+    list(trainer.train(iter(batches)))
+    Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, 0, 1, None, None, trainer.id_space).save(
+        StreamState(step=2)
+    )
+    raw["features"]["tables"][0]["rows"] = 250
+    bigger = parse_config(raw, environ={})
+    other = Trainer(bigger, env)
+    checkpointer = Checkpointer(
+        bigger.checkpoint, bigger, other.model, other.optimizer, 0, 1, None, None, other.id_space
+    )
+    with pytest.raises(CheckpointError, match=r"tables.user_id.rows: 200 in the snapshot, 250 here"):
+        checkpointer.restore()
