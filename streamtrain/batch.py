@@ -22,6 +22,7 @@ from streamtrain.deadletter import Rejections
 from streamtrain.decode import AvroBatchDecoder, ClickBatch
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.source import KafkaSource, RawEvent
+from streamtrain.threads import PREFETCH, name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class Prefetcher:
         return item
 
     def _run(self) -> None:
+        name_this_thread(PREFETCH)
         try:
             if self.device.type == "cuda":  # pinned memory is allocated through the current device's context
                 torch.cuda.set_device(self.device)
