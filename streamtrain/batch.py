@@ -116,8 +116,7 @@ class Prefetcher:
             if self.device.type == "cuda":  # pinned memory is allocated through the current device's context
                 torch.cuda.set_device(self.device)
             while not self.stopping.is_set() and not self.source.exhausted:
-                self.commits.forward(self.source)
-                self.lag.refresh()
+                self._tend()
                 if self.rejections.paused():
                     self.stopping.wait(_POLL_SECONDS)
                     continue
@@ -142,12 +141,18 @@ class Prefetcher:
                 timeout = min(timeout, deadline - time.monotonic())
                 if timeout <= 0:
                     break
+            self._tend()  # an idle stream can keep this loop polling for long
             got = self.source.poll(self.config.batch_size - collected, timeout)
             if len(got):
                 deadline = deadline or time.monotonic() + self.config.max_batch_wait_ms / 1000
                 parts.append(got)
                 collected += len(got)
         return EventBatch.joined(parts)
+
+    def _tend(self) -> None:
+        """What this thread does beside polling, as the only caller of the consumer."""
+        self.commits.forward(self.source)
+        self.lag.refresh()
 
     def _decode(self, events: EventBatch) -> ClickBatch | None:
         """The decoded batch, once its rejected events are dealt with; None if a stop came while
