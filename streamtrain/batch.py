@@ -21,7 +21,8 @@ from streamtrain.config import BatchingConfig
 from streamtrain.deadletter import Rejections
 from streamtrain.decode import AvroBatchDecoder, ClickBatch
 from streamtrain.metrics import WorkerMetrics
-from streamtrain.source import KafkaSource, RawEvent
+from streamtrain.source import EventBatch, KafkaSource
+from streamtrain.threads import PREFETCH, name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -110,17 +111,17 @@ class Prefetcher:
         return item
 
     def _run(self) -> None:
+        name_this_thread(PREFETCH)
         try:
             if self.device.type == "cuda":  # pinned memory is allocated through the current device's context
                 torch.cuda.set_device(self.device)
             while not self.stopping.is_set() and not self.source.exhausted:
-                self.commits.forward(self.source)
-                self.lag.refresh()
+                self._tend()
                 if self.rejections.paused():
                     self.stopping.wait(_POLL_SECONDS)
                     continue
                 events = self._collect()
-                if events:
+                if len(events):
                     batch = self._decode(events)
                     if batch is not None:
                         self._put(batch)
@@ -130,22 +131,30 @@ class Prefetcher:
         finally:
             self._put(_END)
 
-    def _collect(self) -> list[RawEvent]:
-        events: list[RawEvent] = []
+    def _collect(self) -> EventBatch:
+        parts: list[EventBatch] = []
+        collected = 0
         deadline = None
-        while len(events) < self.config.batch_size and not self.stopping.is_set() and not self.source.exhausted:
+        while collected < self.config.batch_size and not self.stopping.is_set() and not self.source.exhausted:
             timeout = _POLL_SECONDS
             if deadline is not None:
                 timeout = min(timeout, deadline - time.monotonic())
                 if timeout <= 0:
                     break
-            got = self.source.poll(self.config.batch_size - len(events), timeout)
-            if got and deadline is None:
-                deadline = time.monotonic() + self.config.max_batch_wait_ms / 1000
-            events.extend(got)
-        return events
+            self._tend()  # an idle stream can keep this loop polling for long
+            got = self.source.poll(self.config.batch_size - collected, timeout)
+            if len(got):
+                deadline = deadline or time.monotonic() + self.config.max_batch_wait_ms / 1000
+                parts.append(got)
+                collected += len(got)
+        return EventBatch.joined(parts)
 
-    def _decode(self, events: list[RawEvent]) -> ClickBatch | None:
+    def _tend(self) -> None:
+        """What this thread does beside polling, as the only caller of the consumer."""
+        self.commits.forward(self.source)
+        self.lag.refresh()
+
+    def _decode(self, events: EventBatch) -> ClickBatch | None:
         """The decoded batch, once its rejected events are dealt with; None if a stop came while
         they could not be written."""
         self._count_consumed(events)
@@ -158,13 +167,10 @@ class Prefetcher:
         with torch.profiler.record_function("streamtrain.pin"):
             return self.prepare(result.batch)
 
-    def _count_consumed(self, events: list[RawEvent]) -> None:
-        # One pass over the events (this runs for every batch); the per-partition sums in numpy.
+    def _count_consumed(self, events: EventBatch) -> None:
         topic, metrics = self.source.topic, self.metrics
-        partitions = [e.partition for e in events]
-        sizes = [len(e.value) if e.value is not None else 0 for e in events]
-        counts = np.bincount(partitions)
-        nbytes = np.bincount(partitions, weights=sizes)
+        counts = np.bincount(events.partitions)
+        nbytes = np.bincount(events.partitions, weights=events.sizes)
         for partition in np.flatnonzero(counts).tolist():
             metrics.events_consumed.labels(topic, str(partition)).inc(int(counts[partition]))
             metrics.consumed_bytes.labels(topic, str(partition)).inc(int(nbytes[partition]))
@@ -200,17 +206,22 @@ class PendingCommits:
 
 
 class LagGauges:
-    """The consumer-lag gauge of every owned partition, refreshed at most every ``refresh_seconds``."""
+    """The consumer-lag gauge of every owned partition, refreshed at most every ``refresh_seconds``;
+    ``total`` is their sum at the last refresh (None before the first fetch), for the progress line."""
 
     def __init__(self, source: KafkaSource, metrics: WorkerMetrics, refresh_seconds: float):
         self.source = source
         self.metrics = metrics
         self.refresh_seconds = refresh_seconds
+        self.total: int | None = None
         self._refreshed = 0.0
 
     def refresh(self) -> None:
         if time.monotonic() - self._refreshed < self.refresh_seconds:
             return
         self._refreshed = time.monotonic()
-        for partition, lag in self.source.lag().items():
+        lags = self.source.lag()
+        for partition, lag in lags.items():
             self.metrics.consumer_lag.labels(self.source.topic, str(partition)).set(lag)
+        if lags:
+            self.total = sum(lags.values())

@@ -189,7 +189,13 @@ def _dev_kafka(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from streamtrain.dev.demo import run_demo
 
-    return run_demo(metrics_port=args.metrics_port, rate=args.rate)
+    if args.rate is None and not args.metrics_port:
+        print(
+            "streamtrain demo: --metrics-port 0 leaves nothing to calibrate from; give a port, or --rate",
+            file=sys.stderr,
+        )
+        return 2
+    return run_demo(metrics_port=args.metrics_port, rate=args.rate, load_fraction=args.load_fraction)
 
 
 def _checkpoints(args: argparse.Namespace) -> int:
@@ -528,8 +534,24 @@ def build_parser() -> argparse.ArgumentParser:
         description="Start a local broker, create a 4-partition topic, produce a synthetic click stream and "
         "train on it, printing throughput and loss; metrics on http://127.0.0.1:PORT/metrics.",
     )
-    demo.add_argument("--metrics-port", type=int, default=9100)
-    demo.add_argument("--rate", type=float, default=20_000, help="events per second produced (default 20,000)")
+    demo.add_argument(
+        "--metrics-port",
+        type=int,
+        default=9100,
+        help="the worker's metrics port, which the calibration reads (default 9100)",
+    )
+    demo.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="live events per second (default: --load-fraction of the rate the worker trained the backlog at)",
+    )
+    demo.add_argument(
+        "--load-fraction",
+        type=float,
+        default=0.5,
+        help="the live rate's share of the worker's measured rate, when --rate is not given (default 0.5)",
+    )
     demo.set_defaults(run=_demo)
     return parser
 

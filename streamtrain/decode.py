@@ -42,7 +42,7 @@ from __future__ import annotations
 import io
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -57,7 +57,7 @@ from streamtrain.avro_program import REASONS, fnv1a64
 from streamtrain.config import FeaturesConfig, TableConfig, TaskConfig, default_tasks
 from streamtrain.registry import BadWriterSchema
 from streamtrain.schema import field_schema, load_schema, without_logical_types
-from streamtrain.source import RawEvent
+from streamtrain.source import EventBatch, RawEvent
 
 log = logging.getLogger(__name__)
 
@@ -224,10 +224,11 @@ class AvroBatchDecoder:
         self._entry(schema_id)
         return self.programs[schema_id].describe() if schema_id in self.programs else "(decoded with fastavro)"
 
-    def decode(self, events: list[RawEvent]) -> DecodeResult:
+    def decode(self, events: EventBatch | Sequence[RawEvent]) -> DecodeResult:
+        if not isinstance(events, EventBatch):
+            events = EventBatch.of_events(events)
         n, tables, dense_count = len(events), len(self.features.tables), len(self.features.dense)
-        payloads = [event.value or b"" for event in events]
-        sizes = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
+        payloads, sizes = events.payloads, events.sizes
         ends = np.cumsum(sizes)
         starts = ends - sizes
         buf = np.frombuffer(b"".join(payloads), dtype=np.uint8)
@@ -455,11 +456,12 @@ class FastavroDecoder:
         except Exception as error:  # fastavro's SchemaParseException, UnknownType, or JSON of the wrong shape
             raise BadWriterSchema(f"not a valid Avro schema: {type(error).__name__}: {error}") from error
 
-    def decode(self, events: list[RawEvent]) -> DecodeResult:
+    def decode(self, events: EventBatch | Sequence[RawEvent]) -> DecodeResult:
+        if not isinstance(events, EventBatch):
+            events = EventBatch.of_events(events)
         bodies, writers, early = [], [], np.zeros(len(events), np.int8)
         details: dict[int, str] = {}
-        for i, event in enumerate(events):
-            payload = event.value or b""
+        for i, payload in enumerate(events.payloads):
             schema_id = None
             if not payload:
                 early[i] = ap.EMPTY_PAYLOAD
@@ -556,7 +558,7 @@ class FastavroDecoder:
 
 
 def _result(
-    events: list[RawEvent],
+    events: EventBatch,
     keys: list[str],
     status: np.ndarray,
     lengths: np.ndarray,
@@ -585,21 +587,18 @@ def _result(
         global_batch_size=count,
     )
     rejected = [
-        (events[i], REASONS[status[i] - 1] + (f": {details[i]}" if i in details else ""))
+        (events.event(i), REASONS[status[i] - 1] + (f": {details[i]}" if i in details else ""))
         for i in np.flatnonzero(~kept).tolist()
     ]
     return DecodeResult(batch, rejected)
 
 
-def _spans(events: list[RawEvent], kept: np.ndarray) -> dict[int, PartitionSpan]:
+def _spans(events: EventBatch, kept: np.ndarray) -> dict[int, PartitionSpan]:
     """Per partition: the events kept for training, and the offset after the last one consumed.
 
     Rejected events move the position too: they were consumed, and went to the dead-letter path.
     One Python step per partition, not per event."""
-    if not events:
-        return {}
-    partitions = np.fromiter((e.partition for e in events), dtype=np.int64, count=len(events))
-    offsets = np.fromiter((e.offset for e in events), dtype=np.int64, count=len(events))
+    partitions, offsets = events.partitions, events.offsets
     spans = {}
     for p in np.unique(partitions).tolist():
         mine = partitions == p

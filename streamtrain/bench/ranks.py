@@ -10,13 +10,21 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from streamtrain.bench.common import local_rank_env
 from streamtrain.dev import CHECKOUT
 
 
-def run_ranks(target: str, kwargs: dict, world_size: int = 2, timeout: float = 600.0) -> list[dict]:
+def run_ranks(
+    target: str,
+    kwargs: dict,
+    world_size: int = 2,
+    timeout: float = 600.0,
+    started: Callable[[list[int]], None] = lambda pids: None,
+) -> list[dict]:
+    """``started`` is handed the ranks' process ids once they are all started."""
     from streamtrain.dev.kafka import free_port
 
     with tempfile.TemporaryDirectory(prefix="streamtrain-ranks-") as folder:
@@ -43,6 +51,7 @@ def run_ranks(target: str, kwargs: dict, world_size: int = 2, timeout: float = 6
                     ),
                 )
             )
+        started([p.pid for _log, p in processes])
         deadline = time.monotonic() + timeout
         try:
             while any(p.poll() is None for _log, p in processes):

@@ -1,0 +1,25 @@
+"""OS thread names, so that ``top -H``, py-spy and ``bench e2e``'s CPU split tell a rank's threads apart.
+
+Python 3.11 names threads for Python only; the kernel's name (``comm``, at most 15 bytes) is what
+every tool outside the interpreter sees, and a new native thread inherits its creator's. librdkafka
+(``rdk:*``) and torch's gloo (``gloo_tcp_loop``, ``pt_gloo_runloop``) name their own threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+PREFETCH = "st-prefetch"
+
+_PR_SET_NAME = 15
+_NAME_BYTES = 16  # the kernel's limit, the terminating NUL included
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
+
+
+def name_this_thread(name: str) -> None:
+    """Sets the calling thread's kernel name (cut to 15 bytes); does nothing off Linux."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_NAME, name.encode()[: _NAME_BYTES - 1], 0, 0, 0)
