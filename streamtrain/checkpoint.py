@@ -144,6 +144,8 @@ def _heads(config: WorkerConfig) -> dict[str, Any]:
     heads: dict[str, Any] = {"architecture": kind, "tasks": [t.name for t in config.tasks()]}
     if kind == "mmoe":
         heads |= {"num_experts": config.model.num_experts, "expert_layer_sizes": list(config.model.expert_layer_sizes)}
+    if kind == "dbmtl":  # a dependency widens its task's logit layer
+        heads["depends_on"] = {t.name: t.depends_on for t in config.tasks() if t.depends_on is not None}
     return heads
 
 

@@ -248,6 +248,9 @@ class TaskConfig(_Strict):
     # true: an event whose label is null is dead-lettered (missing_label). false: it trains the
     # other tasks, and its loss for this task is masked (a purchase not yet known, say).
     required: bool = True
+    # With model.multitask dbmtl: the task whose tower's last hidden layer this task's tower also
+    # reads (buy depends_on clk: a purchase follows a click, so what predicts the click helps).
+    depends_on: str | None = None
 
 
 def default_tasks(features: FeaturesConfig) -> list[TaskConfig]:
@@ -263,8 +266,9 @@ class ModelConfig(_Strict):
     # labels it has read in one int64.
     tasks: list[TaskConfig] | None = Field(default=None, min_length=1, max_length=63)
     # How the tasks share what sits above the interaction: shared_bottom gives each task a tower
-    # over the interaction; mmoe mixes num_experts expert MLPs with a softmax gate per task.
-    multitask: Literal["shared_bottom", "mmoe"] = "shared_bottom"
+    # over the interaction; mmoe mixes num_experts expert MLPs with a softmax gate per task; dbmtl
+    # is shared_bottom where a task's tower also reads the tower of the task it depends_on.
+    multitask: Literal["shared_bottom", "mmoe", "dbmtl"] = "shared_bottom"
     num_experts: int = Field(default=4, gt=0)
     expert_layer_sizes: list[int] = Field(default=[64], min_length=1)
     sparse_optimizer: Literal["row_wise_adagrad", "adagrad", "sgd"] = "row_wise_adagrad"
@@ -287,6 +291,24 @@ class ModelConfig(_Strict):
         if duplicated:
             raise ValueError(f"task names must be unique; repeated: {duplicated}")
         return value
+
+    @model_validator(mode="after")
+    def _dependencies_name_earlier_tasks(self) -> ModelConfig:
+        seen: set[str] = set()
+        for i, task in enumerate(self.tasks or ()):
+            if task.depends_on is not None:
+                where = f"model.tasks.{i}.depends_on"
+                if self.multitask != "dbmtl":
+                    raise ValueError(f"{where}: only dbmtl reads it; set model.multitask: dbmtl or remove it")
+                if task.depends_on not in seen:
+                    # Earlier only: a tower then always reads a tower already computed, and no
+                    # dependency can loop.
+                    raise ValueError(
+                        f"{where}: {task.depends_on!r} is not a task listed before {task.name!r}; "
+                        f"list the task it depends on first"
+                    )
+            seen.add(task.name)
+        return self
 
 
 class BatchingConfig(_Strict):
