@@ -121,6 +121,8 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
                 "field": t.field,
                 "field_kind": field_kind(schema, t.field),
                 "id_mapping": t.id_mapping,
+                # only when set, so that fingerprints written before sharing existed still match
+                **({"shares_table_with": t.shares_table_with} if t.shares_table_with else {}),
             }
             for t in config.features.tables
         },

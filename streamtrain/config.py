@@ -156,6 +156,12 @@ class TableConfig(_Strict):
     # table_wise, column_wise and table_column_wise exist.
     sharding_types: list[ShardingTypeName] | None = Field(default=None, min_length=1)
     compute_kernels: list[ComputeKernelName] | None = Field(default=None, min_length=1)
+    # Look this feature's ids up in another entry's table: one embedding per id for both features
+    # (a user's recent categories and the ad's category), so their dot product in DLRM's
+    # interaction is large exactly when the ad's category is among the recent ones, for every
+    # category, however rarely it was seen. Rows, dim, pooling and id_mapping must match the
+    # owner's; sharding is the owner's.
+    shares_table_with: str | None = None
 
 
 class DenseFeature(_Strict):
@@ -210,6 +216,36 @@ class FeaturesConfig(_Strict):
         if duplicated:
             raise ValueError(f"table names must be unique; repeated: {duplicated}")
         return self
+
+    @model_validator(mode="after")
+    def _shared_tables_match_their_owner(self) -> FeaturesConfig:
+        by_name = {t.name: t for t in self.tables}
+        owners = [t.name for t in self.tables if t.shares_table_with is None]
+        shared = [(i, t) for i, t in enumerate(self.tables) if t.shares_table_with is not None]
+        for i, table in shared:  # every owner first: a mismatch with a table that is no owner means nothing
+            if table.shares_table_with not in owners:
+                raise ValueError(
+                    f"features.tables.{i}.shares_table_with: {table.shares_table_with!r} is not another table "
+                    f"that has a table of its own; name one of {owners}"
+                )
+        for i, table in shared:
+            owner = by_name[str(table.shares_table_with)]
+            for key in ("num_embeddings", "embedding_dim", "pooling", "id_mapping"):
+                if getattr(table, key) != getattr(owner, key):
+                    raise ValueError(
+                        f"features.tables.{i}.{key}: {getattr(table, key)!r}, but the table it shares "
+                        f"({owner.name}) has {getattr(owner, key)!r}; set the same"
+                    )
+            if table.sharding_types or table.compute_kernels:
+                raise ValueError(
+                    f"features.tables.{i}: a shared table is sharded as its owner ({owner.name}) is; "
+                    f"set sharding_types and compute_kernels there"
+                )
+        return self
+
+    def owned_tables(self) -> list[TableConfig]:
+        """The entries that have an embedding table of their own: what is sharded and saved."""
+        return [t for t in self.tables if t.shares_table_with is None]
 
     @model_validator(mode="after")
     def _one_writer_schema_source(self) -> FeaturesConfig:
