@@ -139,6 +139,8 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
                 "field": t.field,
                 "field_kind": field_kind(schema, t.field),
                 "id_mapping": t.id_mapping,
+                # only when set, so that fingerprints written before sharing existed still match
+                **({"shares_table_with": t.shares_table_with} if t.shares_table_with else {}),
             }
             for t in config.features.tables
         },
@@ -162,6 +164,8 @@ def _heads(config: WorkerConfig) -> dict[str, Any]:
     heads: dict[str, Any] = {"architecture": kind, "tasks": [t.name for t in config.tasks()]}
     if kind == "mmoe":
         heads |= {"num_experts": config.model.num_experts, "expert_layer_sizes": list(config.model.expert_layer_sizes)}
+    if kind == "dbmtl":  # a dependency widens its task's logit layer
+        heads["depends_on"] = {t.name: t.depends_on for t in config.tasks() if t.depends_on is not None}
     return heads
 
 

@@ -209,6 +209,12 @@ class TableConfig(_Strict):
     # table_wise, column_wise and table_column_wise exist.
     sharding_types: list[ShardingTypeName] | None = Field(default=None, min_length=1)
     compute_kernels: list[ComputeKernelName] | None = Field(default=None, min_length=1)
+    # Look this feature's ids up in another entry's table: one embedding per id for both features
+    # (a user's recent categories and the ad's category), so their dot product in DLRM's
+    # interaction is large exactly when the ad's category is among the recent ones, for every
+    # category, however rarely it was seen. Rows, dim, pooling and id_mapping must match the
+    # owner's; sharding is the owner's.
+    shares_table_with: str | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -307,6 +313,36 @@ class FeaturesConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _shared_tables_match_their_owner(self) -> FeaturesConfig:
+        by_name = {t.name: t for t in self.tables}
+        owners = [t.name for t in self.tables if t.shares_table_with is None]
+        shared = [(i, t) for i, t in enumerate(self.tables) if t.shares_table_with is not None]
+        for i, table in shared:  # every owner first: a mismatch with a table that is no owner means nothing
+            if table.shares_table_with not in owners:
+                raise ValueError(
+                    f"features.tables.{i}.shares_table_with: {table.shares_table_with!r} is not another table "
+                    f"that has a table of its own; name one of {owners}"
+                )
+        for i, table in shared:
+            owner = by_name[str(table.shares_table_with)]
+            for key in ("num_embeddings", "embedding_dim", "pooling", "id_mapping"):
+                if getattr(table, key) != getattr(owner, key):
+                    raise ValueError(
+                        f"features.tables.{i}.{key}: {getattr(table, key)!r}, but the table it shares "
+                        f"({owner.name}) has {getattr(owner, key)!r}; set the same"
+                    )
+            if table.sharding_types or table.compute_kernels:
+                raise ValueError(
+                    f"features.tables.{i}: a shared table is sharded as its owner ({owner.name}) is; "
+                    f"set sharding_types and compute_kernels there"
+                )
+        return self
+
+    def owned_tables(self) -> list[TableConfig]:
+        """The entries that have an embedding table of their own: what is sharded and saved."""
+        return [t for t in self.tables if t.shares_table_with is None]
+
+    @model_validator(mode="after")
     def _one_writer_schema_source(self) -> FeaturesConfig:
         sources = [name for name in ("schema_registry", "writer_schemas_dir") if getattr(self, name) is not None]
         if self.wire_format == "confluent" and len(sources) != 1:
@@ -343,6 +379,9 @@ class TaskConfig(_Strict):
     # true: an event whose label is null is dead-lettered (missing_label). false: it trains the
     # other tasks, and its loss for this task is masked (a purchase not yet known, say).
     required: bool = True
+    # With model.multitask dbmtl: the task whose tower's last hidden layer this task's tower also
+    # reads (buy depends_on clk: a purchase follows a click, so what predicts the click helps).
+    depends_on: str | None = None
 
 
 def default_tasks(features: FeaturesConfig) -> list[TaskConfig]:
@@ -358,8 +397,9 @@ class ModelConfig(_Strict):
     # labels it has read in one int64.
     tasks: list[TaskConfig] | None = Field(default=None, min_length=1, max_length=63)
     # How the tasks share what sits above the interaction: shared_bottom gives each task a tower
-    # over the interaction; mmoe mixes num_experts expert MLPs with a softmax gate per task.
-    multitask: Literal["shared_bottom", "mmoe"] = "shared_bottom"
+    # over the interaction; mmoe mixes num_experts expert MLPs with a softmax gate per task; dbmtl
+    # is shared_bottom where a task's tower also reads the tower of the task it depends_on.
+    multitask: Literal["shared_bottom", "mmoe", "dbmtl"] = "shared_bottom"
     num_experts: int = Field(default=4, gt=0)
     expert_layer_sizes: list[int] = Field(default=[64], min_length=1)
     sparse_optimizer: Literal["row_wise_adagrad", "adagrad", "sgd"] = "row_wise_adagrad"
@@ -382,6 +422,24 @@ class ModelConfig(_Strict):
         if duplicated:
             raise ValueError(f"task names must be unique; repeated: {duplicated}")
         return value
+
+    @model_validator(mode="after")
+    def _dependencies_name_earlier_tasks(self) -> ModelConfig:
+        seen: set[str] = set()
+        for i, task in enumerate(self.tasks or ()):
+            if task.depends_on is not None:
+                where = f"model.tasks.{i}.depends_on"
+                if self.multitask != "dbmtl":
+                    raise ValueError(f"{where}: only dbmtl reads it; set model.multitask: dbmtl or remove it")
+                if task.depends_on not in seen:
+                    # Earlier only: a tower then always reads a tower already computed, and no
+                    # dependency can loop.
+                    raise ValueError(
+                        f"{where}: {task.depends_on!r} is not a task listed before {task.name!r}; "
+                        f"list the task it depends on first"
+                    )
+            seen.add(task.name)
+        return self
 
 
 class BatchingConfig(_Strict):

@@ -8,6 +8,10 @@ interaction's output ([B, F]) into one logit per task ([B, T]):
 - ``mmoe`` (Ma et al., KDD 2018): ``num_experts`` expert MLPs (TorchRec's ``MLP``) over the
   interaction, a softmax gate per task that mixes them per event, and a tower per task over its
   mix. Tasks that conflict can then lean on different experts.
+- ``dbmtl`` (Alibaba's Deep Bayesian Multi-Target Learning, TorchEasyRec's DBMTL): a tower per
+  task over the interaction, as shared_bottom; a task that ``depends_on`` another reads that
+  task's last hidden layer beside its own before its logit, so buy builds on what clk's tower
+  learnt, and buy's loss trains clk's tower too.
 
 Towers are keyed by task name, so a snapshot's parameter names say which head they belong to.
 """
@@ -63,4 +67,31 @@ class MMoE(nn.Module):
         return torch.cat(logits, dim=1)
 
 
-HEADS: dict[str, type[SharedBottom] | type[MMoE]] = {"shared_bottom": SharedBottom, "mmoe": MMoE}
+class DBMTL(nn.Module):
+    def __init__(self, in_features: int, tasks: list[TaskConfig], model: ModelConfig, device: torch.device):
+        super().__init__()
+        hidden = list(model.over_arch_layer_sizes[:-1])
+        # An OverArch split where its logit layer starts, so that another task can read the tower.
+        self.towers = nn.ModuleDict({t.name: MLP(in_features, hidden, device=device) for t in tasks})
+        self.logits = nn.ModuleDict(
+            {t.name: nn.Linear(hidden[-1] * (1 if t.depends_on is None else 2), 1, device=device) for t in tasks}
+        )
+        # The config lists a task after the one it depends on, so its tower is computed first.
+        self.depends_on = {t.name: t.depends_on for t in tasks}
+
+    def forward(self, interaction: torch.Tensor) -> torch.Tensor:
+        towers: dict[str, torch.Tensor] = {}
+        logits = []
+        for name, tower in self.towers.items():
+            towers[name] = tower(interaction)
+            parent = self.depends_on[name]
+            read = towers[name] if parent is None else torch.cat([towers[name], towers[parent]], dim=1)
+            logits.append(self.logits[name](read))
+        return torch.cat(logits, dim=1)
+
+
+HEADS: dict[str, type[SharedBottom] | type[MMoE] | type[DBMTL]] = {
+    "shared_bottom": SharedBottom,
+    "mmoe": MMoE,
+    "dbmtl": DBMTL,
+}

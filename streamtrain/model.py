@@ -16,15 +16,16 @@ _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 
 
 def embedding_configs(features: FeaturesConfig) -> list[EmbeddingBagConfig]:
+    """A table per entry that owns one, looked up by its own feature and by those sharing it."""
     return [
         EmbeddingBagConfig(
             name=t.name,
-            feature_names=[t.name],
+            feature_names=[t.name, *(f.name for f in features.tables if f.shares_table_with == t.name)],
             num_embeddings=t.num_embeddings,
             embedding_dim=t.embedding_dim,
             pooling=_POOLING[t.pooling],
         )
-        for t in features.tables
+        for t in features.owned_tables()
     ]
 
 

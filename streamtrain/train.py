@@ -204,7 +204,7 @@ def plan_table(plan: ShardingPlan, config: WorkerConfig, world_size: int) -> lis
     weights plus the sparse optimizer's state)."""
     rows = []
     state_per_row = _OPTIMIZER_STATE_PER_ROW[config.model.sparse_optimizer]
-    for table in config.features.tables:
+    for table in config.features.owned_tables():
         sharding = plan.plan[_EBC][table.name]
         shards: list[dict[str, Any]]  # rank, offsets, sizes; then bytes
         if sharding.sharding_spec is None:  # data parallel: a full replica on every rank

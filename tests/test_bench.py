@@ -234,9 +234,9 @@ def test_decode_benchmark_runs_both_decoders_and_reports_a_ratio_on_the_cpu_devi
 
 def test_quality_benchmark_reports_each_tasks_progressive_holdout_and_bayes_auc_per_architecture():
     saved = _bench("quality", "--quick", "--config", str(SMALL_CONFIG))
-    assert set(saved["architectures"]) == {"clk_alone", "shared_bottom", "mmoe"}
+    assert set(saved["architectures"]) == {"clk_alone", "shared_bottom", "mmoe", "dbmtl"}
     assert set(saved["architectures"]["clk_alone"]["tasks"]) == {"clk"}
-    for name in ("shared_bottom", "mmoe"):
+    for name in ("shared_bottom", "mmoe", "dbmtl"):
         tasks = saved["architectures"][name]["tasks"]
         assert set(tasks) == {"clk", "buy"}
         for figures in tasks.values():

@@ -1,5 +1,5 @@
 """Several tasks from one stream: config, labels (required ones dead-lettered, others masked), the
-shared_bottom and mmoe heads on real TorchRec, per-task quality, and the snapshot fingerprint."""
+shared_bottom, mmoe and dbmtl heads on real TorchRec, per-task quality, and the snapshot fingerprint."""
 
 import copy
 import json
@@ -17,6 +17,7 @@ from streamtrain.config import ConfigError, parse_config
 from streamtrain.decode import AvroBatchDecoder, FastavroDecoder
 from streamtrain.dev.produce import AvroEncoder, ClickStream
 from streamtrain.device import init_distributed
+from streamtrain.heads import DBMTL
 from streamtrain.metrics import TaskQualities, WorkerMetrics, roc_auc
 from streamtrain.source import RawEvent
 from streamtrain.train import Trainer
@@ -76,6 +77,15 @@ def test_the_single_label_config_is_one_required_task_named_after_its_label():
         (lambda c: c["model"]["tasks"][1].update(name="ctr"), "task names must be unique"),
         (lambda c: c["model"]["tasks"][1].update(loss_weight=0), "model.tasks.1.loss_weight"),
         (lambda c: c["model"].update(multitask="ple"), "model.multitask"),
+        (lambda c: c["model"]["tasks"][1].update(depends_on="ctr"), "model.tasks.1.depends_on: only dbmtl reads it"),
+        (
+            lambda c: c["model"].update(multitask="dbmtl") or c["model"]["tasks"][0].update(depends_on="cvr"),
+            "model.tasks.0.depends_on: 'cvr' is not a task listed before 'ctr'",
+        ),
+        (
+            lambda c: c["model"].update(multitask="dbmtl") or c["model"]["tasks"][1].update(depends_on="ctrr"),
+            "model.tasks.1.depends_on: 'ctrr' is not a task listed before",
+        ),
     ],
 )
 def test_bad_task_configs_are_refused_naming_the_field(change, message):
@@ -125,9 +135,13 @@ def test_a_masked_label_adds_nothing_to_the_loss_and_the_weights_scale_each_task
 # --- heads -------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("multitask", ["shared_bottom", "mmoe"])
+DBMTL_TASKS = [TASKS[0], {**TASKS[1], "depends_on": "ctr"}]
+
+
+@pytest.mark.parametrize("multitask", ["shared_bottom", "mmoe", "dbmtl"])
 def test_each_architecture_learns_both_tasks_on_shared_tables(multitask):
-    config = parse_config(raw_config(multitask=multitask, num_experts=3), environ={})
+    tasks = DBMTL_TASKS if multitask == "dbmtl" else TASKS
+    config = parse_config(raw_config(tasks, multitask=multitask, num_experts=3), environ={})
     trainer = Trainer(config, init_distributed())
     names = list(trainer.model.state_dict())
     assert any(n.startswith("dlrm.sparse_arch.") for n in names)
@@ -145,6 +159,31 @@ def test_each_architecture_learns_both_tasks_on_shared_tables(multitask):
     # 10k events: both tasks are well above chance (buy has ~300 positives)
     assert figures["ctr"]["window"]["auc"] > 0.6
     assert figures["cvr"]["window"]["auc"] > 0.6
+
+
+def test_a_dbmtl_task_reads_the_tower_of_the_task_it_depends_on():
+    config = parse_config(raw_config(DBMTL_TASKS, multitask="dbmtl"), environ={})
+    heads = DBMTL(40, config.tasks(), config.model, torch.device("cpu"))
+    hidden = config.model.over_arch_layer_sizes[-2]
+    assert heads.logits["ctr"].in_features == hidden and heads.logits["cvr"].in_features == 2 * hidden
+    interaction = torch.randn(32, 40)
+
+    def logits_after_scaling(task: str) -> torch.Tensor:
+        with torch.no_grad():
+            heads.towers[task]._mlp[0]._linear.weight.mul_(3.0)
+            return heads(interaction)
+
+    before = heads(interaction)
+    assert before.shape == (32, 2)
+    after_ctr = logits_after_scaling("ctr")
+    # buy's logit moves with clk's tower ...
+    assert not torch.allclose(after_ctr[:, 1], before[:, 1]) and not torch.allclose(after_ctr[:, 0], before[:, 0])
+    # ... and clk's logit does not move with buy's
+    after_cvr = logits_after_scaling("cvr")
+    assert torch.equal(after_cvr[:, 0], after_ctr[:, 0]) and not torch.allclose(after_cvr[:, 1], after_ctr[:, 1])
+    # buy's loss trains clk's tower: the dependency is not cut from the graph
+    heads(interaction)[:, 1].sum().backward()
+    assert heads.towers["ctr"]._mlp[0]._linear.weight.grad.abs().sum() > 0
 
 
 def test_one_task_is_dlrm_exactly_so_its_snapshots_keep_their_names():
@@ -193,6 +232,11 @@ def test_the_fingerprint_covers_the_heads_but_not_labels_or_weights():
     tasks[1].update(loss_weight=5.0, required=True)
     assert differences(tasks=tasks) == []
     assert differences(multitask="mmoe") != []
+    dbmtl = compatibility_fingerprint(parse_config(raw_config(DBMTL_TASKS, multitask="dbmtl"), environ={}))
+    assert dbmtl["heads"]["depends_on"] == {"cvr": "ctr"}
+    # a dependency widens the logit layer: a snapshot without it does not fit
+    independent = compatibility_fingerprint(parse_config(raw_config(multitask="dbmtl"), environ={}))
+    assert fingerprint_differences(independent, dbmtl, config) != []
     assert differences(tasks=[*TASKS, {"name": "fav", "label": "buy"}]) != []
 
     # snapshots written before multi-task carry no heads: DLRM's, which a one-task config has
@@ -220,3 +264,21 @@ def test_a_two_task_worker_trains_both_heads_and_exports_each_tasks_quality(kafk
     # the labels in the stream are never null: nothing was dead-lettered, every event trained
     assert "12,000 events trained" in output, output[-2000:]
     assert report.bayes_aucs["buy"] > report.bayes_aucs["clk"]
+
+
+@pytest.mark.integration
+def test_dbmtl_trains_both_heads_on_two_ranks_with_each_tasks_quality(kafka, topic_name, start_ranks, tmp_path):
+    from streamtrain.dev.produce import produce
+
+    produce(kafka.bootstrap_servers, topic_name, 8_000, partitions=4, seed=10, schema_path=SCHEMA)
+    config = tmp_path / "dbmtl.yaml"
+    config.write_text(yaml.safe_dump(raw_config(DBMTL_TASKS, multitask="dbmtl")))
+    # the last --config wins: the ranks start with the small config's, then this one
+    ranks = start_ranks(topic_name, 2, "--until-end", "--config", str(config))
+    assert [r.wait(timeout=180) for r in ranks] == [0, 0], ranks[0].output()[-3000:] + ranks[1].output()[-3000:]
+    trained = 0
+    for rank in ranks:
+        output = rank.output()
+        assert "progressive AUC ctr 0." in output and ", cvr 0." in output, output[-2000:]
+        trained += int(output.split(" events trained")[0].rsplit(" ", 1)[1].replace(",", ""))
+    assert trained == 8_000

@@ -46,9 +46,13 @@ class NaiveDLRM(nn.Module):
     def __init__(self, features: FeaturesConfig, model: ModelConfig):
         super().__init__()
         dim = features.tables[0].embedding_dim
+        owned = features.owned_tables()
         self.tables = nn.ModuleList(
-            nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, sparse=True) for t in features.tables
+            nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, sparse=True) for t in owned
         )
+        # Each feature's table: its own, or the one it shares_table_with, as the worker's EBC has it.
+        index = {t.name: i for i, t in enumerate(owned)}
+        self.table_of_feature = [index[t.shares_table_with or t.name] for t in features.tables]
         for table in self.tables:  # torchrec's default initialisation of EBC tables
             bound = (1.0 / table.num_embeddings) ** 0.5
             nn.init.uniform_(table.weight, -bound, bound)
@@ -58,7 +62,8 @@ class NaiveDLRM(nn.Module):
         self.over_arch = OverArch(dim + choose(n, 2) + n, list(model.over_arch_layer_sizes))
 
     def forward(self, dense: torch.Tensor, ids: list[torch.Tensor], offsets: list[torch.Tensor]) -> torch.Tensor:
-        pooled = torch.stack([table(i, o) for table, i, o in zip(self.tables, ids, offsets, strict=True)], dim=1)
+        lookups = zip(self.table_of_feature, ids, offsets, strict=True)
+        pooled = torch.stack([self.tables[t](i, o) for t, i, o in lookups], dim=1)
         return self.over_arch(self.inter_arch(self.dense_arch(dense), pooled)).squeeze(-1)
 
 

@@ -27,7 +27,9 @@ if TYPE_CHECKING:
     from streamtrain.decode import ClickBatch
 
 TASKS = [{"name": "clk", "label": "clk"}, {"name": "buy", "label": "buy"}]
-ARCHITECTURES = ("shared_bottom", "mmoe")
+ARCHITECTURES = ("shared_bottom", "mmoe", "dbmtl")
+# What each architecture's tasks are: dbmtl's buy reads clk's tower (a purchase follows a click).
+ARCHITECTURE_TASKS = {"dbmtl": [TASKS[0], {**TASKS[1], "depends_on": "clk"}]}
 # The goals the issue sets: each task's holdout AUC within this of its Bayes AUC, and clk with
 # several tasks within CLK_COST of clk alone.
 BAYES_GAP, CLK_COST = 0.01, 0.002
@@ -58,7 +60,7 @@ def run_configs(path: Path, architectures: list[str]) -> dict[str, WorkerConfig]
     raw["features"].pop("label", None)  # the tasks name their labels
     model = raw.get("model") or {}
     runs = {"clk_alone": {**model, "tasks": TASKS[:1]}}
-    runs |= {name: {**model, "tasks": TASKS, "multitask": name} for name in architectures}
+    runs |= {name: {**model, "tasks": ARCHITECTURE_TASKS.get(name, TASKS), "multitask": name} for name in architectures}
     return {name: parse_config({**raw, "model": section}) for name, section in runs.items()}
 
 
