@@ -144,7 +144,7 @@ def test_plan_dry_run_for_any_world_size(world_size, tmp_path):
     assert f"sharding plan for {world_size} rank(s)" in result.stdout
     assert all(f"rank {r}: " in result.stdout for r in range(world_size))
     plan = json.loads(out.read_text())
-    assert len(plan["tables"]) == 15  # recent_cate_ids looks its ids up in cate_id's table
+    assert len(plan["tables"]) == 16
     used = {s["rank"] for t in plan["tables"] for s in t["shards"]}
     assert used == set(range(world_size))
 
