@@ -1,4 +1,5 @@
-"""``make demo``: a real local Kafka, a synthetic click stream, and a worker training on it."""
+"""``make demo``: a real local Kafka, a synthetic click stream, a worker training on it, and a
+scoring server following its deltas (``demo_serve``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import yaml
 
 from streamtrain.config import parse_config
 from streamtrain.dev import CHECKOUT
+from streamtrain.dev.demo_serve import DemoServer, scraped
 from streamtrain.dev.kafka import KafkaBroker
 from streamtrain.worker import run_worker
 
@@ -51,9 +53,12 @@ def run_demo(metrics_port: int = 9100, rate: float = 20_000) -> int:
         # Delivery publishes from snapshots: the demo keeps them beside its broker's data.
         raw.setdefault("checkpoint", {}).setdefault("path", str(broker.workdir / "snapshots"))
         config = parse_config(raw)
+        server = DemoServer(config, lambda: scraped(metrics_port, "streamtrain_global_step"))
+        server.start()
         try:
             return run_worker(config)
         finally:
+            server.stop()
             os.killpg(producer.pid, signal.SIGTERM)
             try:
                 producer.wait(timeout=15)
