@@ -46,6 +46,11 @@ class DemoServer:
             port=self.port,
             start_timeout_seconds=FIRST_BASE_TIMEOUT_SECONDS,
         )
+        log.info(
+            "a scoring server starts on port %d once the worker's first base is exported from its start "
+            "snapshot (a minute or more on a small machine)",
+            self.port,
+        )
         try:
             server.start()
         except Exception:  # the worker trains on; the demo says why it serves nothing
