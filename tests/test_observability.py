@@ -3,6 +3,7 @@ Prometheus scraping a real worker on the real broker; and the health endpoints."
 
 from __future__ import annotations
 
+import base64
 import json
 import shutil
 import signal
@@ -18,6 +19,9 @@ import yaml
 from confluent_kafka import Producer
 
 from conftest import REPO, SCHEMA, prometheus_tool
+from delivery_states import held_out
+from streamtrain.config import parse_config
+from streamtrain.delivery.serve import KafkaDeltas, ScoringServer
 from streamtrain.dev.kafka import create_topic, free_port
 from streamtrain.dev.produce import produce
 
@@ -67,6 +71,8 @@ def test_alerts_cover_what_operators_need():
         "StreamtrainRankDown",
         "StreamtrainDeadLetterBlocked",
         "StreamtrainConsumptionPaused",
+        "StreamtrainDeltasStalled",
+        "StreamtrainServingStale",
     }
     readme = (REPO / "README.md").read_text()
     assert all(name in readme for name in names), "the README's Operating section explains every alert"
@@ -75,7 +81,7 @@ def test_alerts_cover_what_operators_need():
 def test_compose_and_kubernetes_files_hold_together():
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert {"kafka", "topic-init", "producer", "worker", "prometheus", "grafana"} <= set(services)
+    assert {"kafka", "topic-init", "producer", "worker", "serve", "prometheus", "grafana"} <= set(services)
     assert services["kafka"]["image"].startswith("apache/kafka:")
     assert "--nproc" in services["worker"]["command"]
     docker = shutil.which("docker")
@@ -89,6 +95,22 @@ def test_compose_and_kubernetes_files_hold_together():
         assert result.returncode == 0, result.stderr
     kinds = [doc["kind"] for doc in yaml.safe_load_all((DEPLOY / "k8s" / "streamtrain.yaml").read_text())]
     assert {"StatefulSet", "Service", "ConfigMap", "Secret", "PersistentVolumeClaim", "ServiceMonitor"} <= set(kinds)
+    # The server reads what the workers write, where they write it: the compose file's delta topic
+    # and volume, the Kubernetes ConfigMap's delta directory and claim.
+    worker_config = parse_config(yaml.safe_load((DEPLOY / "worker.yaml").read_text()), {})
+    serve = services["serve"]["command"]
+    assert serve[serve.index("--deltas") + 1] == worker_config.delivery.resolved_topic(worker_config.kafka.topic)
+    checkpoint_path = services["worker"]["environment"]["STREAMTRAIN_CHECKPOINT__PATH"]
+    assert serve[serve.index("--model") + 1] == worker_config.delivery.resolved_path(checkpoint_path)
+    assert services["serve"]["volumes"][0].split(":")[0] == services["worker"]["volumes"][0].split(":")[0]
+    k8s = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "k8s" / "streamtrain.yaml").read_text())}
+    k8s_config = parse_config(yaml.safe_load(k8s["ConfigMap"]["data"]["worker.yaml"]), {})
+    serving = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "k8s" / "serve.yaml").read_text())}
+    pod = serving["Deployment"]["spec"]["template"]["spec"]
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--delta-dir") + 1] == k8s_config.delivery.directory
+    assert args[args.index("--model") + 1] == k8s_config.delivery.resolved_path(k8s_config.checkpoint.path or "")
+    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == k8s["PersistentVolumeClaim"]["metadata"]["name"]
 
 
 def http_get(url: str) -> tuple[int, str]:
@@ -102,7 +124,7 @@ def http_get(url: str) -> tuple[int, str]:
 
 
 class Prometheus:
-    def __init__(self, tmp_path: Path, targets: list[str]):
+    def __init__(self, tmp_path: Path, targets: list[str], serve_targets: list[str] | None = None):
         self.port = free_port()
         config = tmp_path / "prometheus.yml"
         config.write_text(
@@ -110,7 +132,10 @@ class Prometheus:
                 {
                     "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                     "rule_files": [str(ALERTS)],
-                    "scrape_configs": [{"job_name": "streamtrain", "static_configs": [{"targets": targets}]}],
+                    "scrape_configs": [
+                        {"job_name": "streamtrain", "static_configs": [{"targets": targets}]},
+                        {"job_name": "streamtrain-serve", "static_configs": [{"targets": serve_targets or []}]},
+                    ],
                 }
             )
         )
@@ -157,18 +182,36 @@ def test_every_dashboard_query_and_alert_works_on_a_live_prometheus(kafka, topic
             "STREAMTRAIN_FEATURES__TABLES__0__ID_MAPPING": "managed",
             "STREAMTRAIN_FEATURES__TABLES__0__ROWS": "2000",
             "STREAMTRAIN_FEATURES__TABLES__0__NUM_EMBEDDINGS": "2000",
+            "STREAMTRAIN_DELIVERY__ENABLED": "true",
+            "STREAMTRAIN_DELIVERY__DELTA_INTERVAL_SECONDS": "1",
         },
     )
-    prometheus = Prometheus(tmp_path, [f"127.0.0.1:{worker.metrics_port}"])
+    # The delivery panels show the server's metrics too: it follows the worker's bases and deltas.
+    server = ScoringServer(
+        tmp_path / "snapshots" / "serving",
+        KafkaDeltas(kafka.bootstrap_servers, f"{topic_name}.model", {"broker.address.family": "v4"}),
+        port=free_port(),
+        start_timeout_seconds=180,
+    )
+    prometheus = Prometheus(tmp_path, [f"127.0.0.1:{worker.metrics_port}"], [f"127.0.0.1:{server.port}"])
     try:
         worker.wait_for(
             lambda: worker.total("streamtrain_events_trained_total") >= 20_000, timeout=180, what="the stream trained"
         )
+        server.start()
+        payloads, _records = held_out(20)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{server.port}/score",
+            json.dumps({"events": [base64.b64encode(p).decode() for p in payloads]}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert all("probabilities" in r for r in json.loads(reply.read())["results"])
         produce(kafka.bootstrap_servers, topic_name, 5_000, partitions=4, seed=52, rate=1000, schema_path=SCHEMA)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            up = prometheus.api("query", query='up{job="streamtrain"}').get("data", {}).get("result", [])
-            if up and up[0]["value"][1] == "1":
+            up = prometheus.api("query", query="up").get("data", {}).get("result", [])
+            if len(up) == 2 and all(u["value"][1] == "1" for u in up):
                 break
             time.sleep(0.5)
         results = {}
@@ -180,6 +223,8 @@ def test_every_dashboard_query_and_alert_works_on_a_live_prometheus(kafka, topic
         for rule in alert_rules():
             answer = prometheus.api("query", query=rule["expr"])
             assert answer["status"] == "success", (rule["alert"], answer)
+        stalled = next(r["expr"] for r in alert_rules() if r["alert"] == "StreamtrainDeltasStalled")
+        assert prometheus.api("query", query=stalled)["data"]["result"] == [], "deltas flow: not stalled"
         rules = prometheus.api("rules")["data"]["groups"][0]["rules"]
         assert all(r["health"] in ("ok", "unknown") for r in rules), [(r["name"], r.get("lastError")) for r in rules]
         auc = prometheus.api("query", query='streamtrain_progressive_auc{window="window"}')["data"]["result"]
@@ -193,6 +238,7 @@ def test_every_dashboard_query_and_alert_works_on_a_live_prometheus(kafka, topic
         )
     finally:
         prometheus.close()
+        server.stop()
         worker.signal(signal.SIGTERM)
     assert worker.wait(timeout=60) == 0
 

@@ -1,4 +1,5 @@
-"""``make demo``: a real local Kafka, a synthetic click stream, and a worker training on it.
+"""``make demo``: a real local Kafka, a synthetic click stream, a worker training on it, and a
+scoring server following its deltas (``demo_serve``).
 
 The live rate comes from the machine the demo runs on: the worker first trains a backlog at full
 speed, the demo measures that rate from the worker's own metrics, and streams live at a safe
@@ -21,6 +22,7 @@ import yaml
 
 from streamtrain.config import parse_config
 from streamtrain.dev import CHECKOUT
+from streamtrain.dev.demo_serve import DemoServer, scraped
 from streamtrain.dev.kafka import KafkaBroker
 from streamtrain.worker import run_worker
 
@@ -63,10 +65,13 @@ def run_demo(metrics_port: int = 9100, rate: float | None = None, load_fraction:
         # Delivery publishes from snapshots: the demo keeps them beside its broker's data.
         raw.setdefault("checkpoint", {}).setdefault("path", str(broker.workdir / "snapshots"))
         config = parse_config(raw)
+        server = DemoServer(config, lambda: scraped(metrics_port, "streamtrain_global_step"))
         stream.start()
+        server.start()
         try:
             return run_worker(config)
         finally:
+            server.stop()
             stream.stop()
 
 
