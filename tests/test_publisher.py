@@ -184,8 +184,9 @@ def test_the_base_export_is_called_with_the_agreed_flags(tmp_path, monkeypatch):
     assert bases.allocate() == 1
     bases.start(0, new_chain=True, version=1)
     assert pinned == {0}  # the checkpointer keeps the snapshot while it is exported
+    assert bases.exporting_chain_start  # a stop waits for it instead of superseding it
     bases.wait(60)
-    assert pinned == set()
+    assert pinned == set() and not bases.exporting_chain_start
     for step in (5, 10):
         bases.start(step, new_chain=False)
         bases.wait(60)

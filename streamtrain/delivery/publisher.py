@@ -308,6 +308,7 @@ class BaseExports:
         self.running: threading.Thread | None = None
         self.process: subprocess.Popen | None = None
         self.stopped = False  # set when wait() runs out and kills the export
+        self.exporting_chain_start = False  # the export running is the chain's first base
         self.last_step = -1
         self.last_started_at = time.monotonic()
 
@@ -358,6 +359,7 @@ class BaseExports:
             # When the CPU is short, training goes first; the export takes what is left.
             os.setpriority(os.PRIO_PROCESS, process.pid, EXPORT_NICENESS)
         self.process, self.last_step = process, step
+        self.exporting_chain_start = new_chain
         self.last_started_at = time.monotonic()
         log.info("exporting base %d from the snapshot at step %d (pid %d)", version, step, process.pid)
         # A thread per export notes its end when it comes, so the log and metrics do not wait for
@@ -384,6 +386,7 @@ class BaseExports:
                 self.metrics.bases_published.inc()
                 self.metrics.base_export_seconds.observe(seconds)
             log.info("base %d published from the snapshot at step %d in %.1fs", version, step, seconds)
+        self.exporting_chain_start = False
         self.running = None
 
     def due(self, newest_snapshot_step: int) -> bool:
@@ -642,9 +645,14 @@ class Publisher:
         if self.bases is None:
             return
         newest = self.newest_snapshot_step()
+
+        def budget() -> float:
+            # Room left for the rest of the stop (the sources' and producers' close) within the grace.
+            return max(deadline - time.monotonic() - STOP_MARGIN_SECONDS, 0.0) if clean else 0.0
+
         if clean and newest > self.bases.last_step:
-            # The final snapshot's base supersedes a periodic one still being exported.
-            self.bases.wait(0.0)
+            # The final snapshot's base supersedes a periodic one still being exported, but not the
+            # chain's start base: without it no server can follow this run's deltas from its start.
+            self.bases.wait(budget() if self.bases.exporting_chain_start else 0.0)
             self.bases.start(newest, new_chain=False)
-        # Room left for the rest of the stop (the sources' and producers' close) within the grace.
-        self.bases.wait(max(deadline - time.monotonic() - STOP_MARGIN_SECONDS, 0.0) if clean else 0.0)
+        self.bases.wait(budget())
