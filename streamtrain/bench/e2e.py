@@ -115,9 +115,16 @@ def worker_environment(bootstrap: str, topic: str, record: Path, metrics_port: i
 
 
 def worker_leg(
-    config: Path, bootstrap: str, topic: str, warm_up: float, timeout: float = 900.0, profile: bool = False
+    config: Path,
+    bootstrap: str,
+    topic: str,
+    warm_up: float,
+    timeout: float = 900.0,
+    profile: bool = False,
+    environment: dict[str, str] | None = None,
 ) -> dict:
-    """``streamtrain worker --nproc 2 --until-end`` on the topic; its run record gives the rate."""
+    """``streamtrain worker --nproc 2 --until-end`` on the topic; its run record gives the rate.
+    ``environment`` overrides the worker's (config fields as STREAMTRAIN_SECTION__FIELD)."""
     from streamtrain.bench.common import free_port_pair, wait_until_training
 
     with tempfile.TemporaryDirectory(prefix="streamtrain-e2e-") as folder:
@@ -137,7 +144,7 @@ def worker_leg(
                     "--until-end",
                 ],
                 cwd=CHECKOUT,
-                env=worker_environment(bootstrap, topic, record, port),
+                env={**worker_environment(bootstrap, topic, record, port), **(environment or {})},
                 stdout=subprocess.DEVNULL,
                 stderr=log,
             )
