@@ -35,9 +35,10 @@ class StepObserver(Protocol):
     """Something the worker is handed that watches every step that trained events, e.g. a
     benchmark's run record."""
 
-    def step_trained(self, applied: float, freshness: np.ndarray, seconds: float, data_wait: float) -> None:
-        """At wall time ``applied`` a step's update was applied: ``freshness`` holds seconds from
-        each of its events' time to then; the step took ``seconds``, ``data_wait`` of it waiting."""
+    def step_trained(self, applied: float, freshness: np.ndarray, seconds: float, data_wait: float, step: int) -> None:
+        """At wall time ``applied`` the update of step ``step`` (this process's trainer's count) was
+        applied: ``freshness`` holds seconds from each of its events' time to then; the step took
+        ``seconds``, ``data_wait`` of it waiting."""
 
     def close(self) -> None:
         """The worker stopped."""
@@ -106,7 +107,7 @@ class _Progress:
             freshness = applied - batch.event_time_ms.cpu().numpy() / 1000.0
             metrics.freshness.observe_many(freshness)
             for observer in self.observers:
-                observer.step_trained(applied, freshness, result.seconds, result.data_wait_seconds)
+                observer.step_trained(applied, freshness, result.seconds, result.data_wait_seconds, result.step)
         self.step = result.step
         if batch.size:
             self.first_trained_at = self.first_trained_at or time.monotonic()

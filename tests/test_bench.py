@@ -127,6 +127,44 @@ def test_freshness_benchmark_reports_quantiles_at_each_load():
         assert 0 <= load["freshness"]["p50"] <= load["freshness"]["p99"] <= load["freshness"]["max"]
 
 
+@pytest.mark.integration  # starts its own broker, workers with delivery on, and a scoring server
+def test_delivery_benchmark_reports_servable_latency_the_throughput_ratio_and_bytes_against_its_goals():
+    saved, printed = _run_bench("delivery", "--quick", "--config", str(SMALL_CONFIG), timeout=600)
+    live = saved["live"]
+    assert saved["max_events_per_second"] > 0 and live["produced_events"] > 0
+    assert live["deltas_applied"] >= 2 and live["servable"]["counted_events"] > 0
+    # served no sooner than trained: a delta is cut after the step it covers
+    assert 0 < saved["servable_p50_seconds"] <= saved["servable_p99_seconds"] <= saved["servable_max_seconds"]
+    assert len(saved["legs"]["with"]) == len(saved["legs"]["without"]) == 2
+    assert saved["throughput_ratio"] == saved["with_events_per_second"] / saved["without_events_per_second"] > 0
+    assert saved["delta_bytes_per_second"] > 0 and saved["snapshot_bytes"] > 0 and live["artifact_bytes"] > 0
+    assert re.search(r"servable p99 [\d.]+s: goal <= 5 s (met|NOT met)", printed)
+    assert re.search(r"throughput ratio [\d.]+: goal >= 0.9 (met|NOT met)", printed)
+
+
+def test_servable_latency_is_the_first_covering_deltas_apply_time_less_the_event_time():
+    import numpy as np
+
+    from streamtrain.bench.delivery import servable_latency
+    from streamtrain.bench.record import RunRecord
+
+    # steps 1..4 at walls 1..4, one event each, every event 0.5 s old when trained
+    wall = np.array([1.0, 2.0, 3.0, 4.0])
+    record = RunRecord(
+        step_wall=wall,
+        step_events=np.ones(4, np.int64),
+        freshness=np.full(4, 0.5),
+        fresh_wall=wall,
+        ranks=1,
+        step_number=np.array([1, 2, 3, 4]),
+        fresh_step=np.array([1, 2, 3, 4]),
+    )
+    # a delta cut at step 2 applied at 10 s, one at step 3 at 12 s; none covers step 4 yet
+    latency = servable_latency(record, np.array([3, 2]), np.array([12.0, 10.0]))
+    np.testing.assert_allclose(latency[:3], [10.0 - 0.5, 10.0 - 1.5, 12.0 - 2.5])
+    assert np.isnan(latency[3])
+
+
 def test_report_renders_markdown_and_plots_from_results(tmp_path):
     """From hand-written results of every kind, so it needs no benchmark run."""
     results = tmp_path / "results"

@@ -56,6 +56,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "streamtrain.bench.freshness",
         "p50/p99 of (update applied - event time) at 50% and 90% of measured max throughput",
     ),
+    "delivery": (
+        "streamtrain.bench.delivery",
+        "servable latency (delta applied by a server - event time) at 50% load, and throughput with deltas/without",
+    ),
     "quality": (
         "streamtrain.bench.quality",
         "each task's progressive and holdout AUC against its Bayes AUC, clk alone and per multi-task architecture",

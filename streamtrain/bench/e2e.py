@@ -138,8 +138,10 @@ def worker_leg(
     timeout: float = 900.0,
     profile: bool = False,
     broker_pid: int | None = None,
+    environment: dict[str, str] | None = None,
 ) -> dict:
-    """``streamtrain worker --nproc 2 --until-end`` on the topic; its run record gives the rate."""
+    """``streamtrain worker --nproc 2 --until-end`` on the topic; its run record gives the rate.
+    ``environment`` overrides the worker's (config fields as STREAMTRAIN_SECTION__FIELD)."""
     from streamtrain.bench.common import free_port_pair, wait_until_training
 
     with tempfile.TemporaryDirectory(prefix="streamtrain-e2e-") as folder:
@@ -159,7 +161,7 @@ def worker_leg(
                     "--until-end",
                 ],
                 cwd=CHECKOUT,
-                env=worker_environment(bootstrap, topic, record, port),
+                env={**worker_environment(bootstrap, topic, record, port), **(environment or {})},
                 stdout=subprocess.DEVNULL,
                 stderr=log,
             )

@@ -9,7 +9,9 @@ folder back, all ranks merged. Each rank writes ``<folder>/rank-<N>.npz`` with
   - ``step_events``: [steps] int64, events that rank trained in that step;
   - ``freshness``: [events] float32, seconds from each trained event's time to its update;
   - ``step_seconds``, ``step_wait``: [steps], the step's duration and its data wait, when every
-    step was timed (the worker's; the naive loop records none).
+    step was timed (the worker's; the naive loop records none);
+  - ``step_number``: [steps] int64, the trainer's step count since the process started (the
+    stream's step on a fresh start, which a delta names), when every step has one (the worker's).
 """
 
 from __future__ import annotations
@@ -35,11 +37,17 @@ class RunRecorder:
         self.step_events: list[int] = []
         self.step_seconds: list[float | None] = []
         self.step_wait: list[float | None] = []
+        self.step_number: list[int | None] = []
         self.freshness: list[np.ndarray] = []
         self.kept = 0
 
     def step_trained(
-        self, applied: float, freshness: np.ndarray, seconds: float | None = None, data_wait: float | None = None
+        self,
+        applied: float,
+        freshness: np.ndarray,
+        seconds: float | None = None,
+        data_wait: float | None = None,
+        step: int | None = None,
     ) -> None:
         if self.kept + freshness.size > self.MAX_EVENTS:
             return
@@ -47,6 +55,7 @@ class RunRecorder:
         self.step_events.append(int(freshness.size))
         self.step_seconds.append(seconds)
         self.step_wait.append(data_wait)
+        self.step_number.append(step)
         self.freshness.append(freshness.astype(np.float32))
         self.kept += freshness.size
 
@@ -60,6 +69,8 @@ class RunRecorder:
         if all(s is not None for s in self.step_seconds + self.step_wait):
             arrays["step_seconds"] = np.array(self.step_seconds, dtype=np.float64)
             arrays["step_wait"] = np.array(self.step_wait, dtype=np.float64)
+        if all(s is not None for s in self.step_number):
+            arrays["step_number"] = np.array(self.step_number, dtype=np.int64)
         np.savez(self.path, **arrays)
 
 
@@ -75,6 +86,9 @@ class RunRecord:
     # the worker's step durations and data waits, in step order (the naive loop records none)
     step_seconds: np.ndarray | None = None
     step_wait: np.ndarray | None = None
+    # the worker's step numbers: of each step, and of each freshness value's step
+    step_number: np.ndarray | None = None
+    fresh_step: np.ndarray | None = None
 
     @classmethod
     def load(cls, folder: Path) -> RunRecord:
@@ -89,6 +103,12 @@ class RunRecord:
         order = np.argsort(wall, kind="stable")
         fresh_order = np.argsort(fresh_wall, kind="stable")
         timed = all("step_seconds" in p for p in parts)
+        numbered = all("step_number" in p for p in parts)
+        fresh_step = (
+            np.concatenate([np.repeat(p["step_number"], p["step_events"]) for p in parts])[fresh_order]
+            if numbered
+            else None
+        )
         return cls(
             wall[order],
             events[order],
@@ -97,6 +117,8 @@ class RunRecord:
             len(parts),
             np.concatenate([p["step_seconds"] for p in parts])[order] if timed else None,
             np.concatenate([p["step_wait"] for p in parts])[order] if timed else None,
+            np.concatenate([p["step_number"] for p in parts])[order] if numbered else None,
+            fresh_step,
         )
 
     def data_wait_share(self, warm_up_seconds: float) -> float | None:

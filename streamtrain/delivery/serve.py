@@ -31,6 +31,7 @@ import io
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,7 +42,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.artifact import Manifest, ServableModel, read_current, read_manifest
-from streamtrain.delivery.deltas import Assembler, Delta, DeltaFormatError
+from streamtrain.delivery.deltas import Assembler, Delta, DeltaFormatError, DeltaId
 from streamtrain.registry import schema_source
 from streamtrain.source import RawEvent
 
@@ -217,11 +218,13 @@ class Follower:
         source: DeltaSource | None,
         metrics: ServeMetrics,
         base_wait_seconds: float,
+        on_delta_applied: Callable[[DeltaId, float], None] | None = None,
     ):
         self.model_dir = model_dir
         self.source = source
         self.metrics = metrics
         self.base_wait_seconds = base_wait_seconds
+        self.on_delta_applied = on_delta_applied
         self.lock = threading.Lock()  # held by apply and by score: a score sees a whole delta or none
         self.model: ServableModel | None = None
         self.next_sequence = 0
@@ -330,6 +333,8 @@ class Follower:
         self.metrics.step.set(delta.id.step)
         self.metrics.delta_sequence.set(delta.id.sequence)
         self.metrics.high_water_ms = delta.id.event_time_high_water_ms
+        if self.on_delta_applied is not None:
+            self.on_delta_applied(delta.id, time.time())
 
     def _reload_past(self, chain: int, sequence: int, why: str) -> bool:
         """Waits for a base that a delta of ``chain`` at ``sequence`` can follow, loads it; False if
@@ -433,13 +438,16 @@ class ScoringServer:
         port: int = 0,
         base_wait_seconds: float = 60.0,
         start_timeout_seconds: float = 60.0,
+        on_delta_applied: Callable[[DeltaId, float], None] | None = None,
     ):
+        """``on_delta_applied(delta, wall time)`` is called on the follower thread once a delta is
+        served (``bench delivery`` times the deltas by it)."""
         self.model_dir = Path(model_dir)
         self.host = host
         self.port = port
         self.start_timeout_seconds = start_timeout_seconds
         self.metrics = ServeMetrics()
-        self.follower = Follower(self.model_dir, deltas, self.metrics, base_wait_seconds)
+        self.follower = Follower(self.model_dir, deltas, self.metrics, base_wait_seconds, on_delta_applied)
         self._scorers: dict[Path, Scorer] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
