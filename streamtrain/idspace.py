@@ -442,6 +442,10 @@ class IdSpace:
         metrics.rows_in_use.labels(name).set(len(table.index))
         metrics.memory_bytes.labels(name).set(table.memory_bytes() + self.at_cut.tables[name].memory_bytes())
 
+    def memory_bytes(self) -> int:
+        """What the maps take in memory on this rank: every managed table's, both copies."""
+        return sum(t.memory_bytes() for copy_ in (self.ahead, self.at_cut) for t in copy_.tables.values())
+
     # --- the trained copy: snapshots and deltas ------------------------------------------------
     def state_dict(self) -> dict[str, object]:
         """The map at the cut: the trained batches' (the pipeline's in-flight ones are not in it)."""

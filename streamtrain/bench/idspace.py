@@ -327,9 +327,11 @@ def _state_after_a_step(config: WorkerConfig, env: Any, events: list[RawEvent]) 
 
 
 def state_bytes(trainer: Trainer) -> int:
-    """Bytes of what a snapshot of ``trainer`` holds on this rank: the model's state (tables, dense
-    layers, and any buffer of its own, such as an id mapping's) and the optimizer's."""
-    return _tensor_bytes(trainer.model.state_dict()) + _tensor_bytes(trainer.optimizer.state_dict())
+    """Bytes ``trainer`` holds on this rank for its model: the model's state (tables, dense layers),
+    the optimizer's, and a managed id space's maps as they sit in memory (both copies, index
+    included), which is more than the snapshot's share of them."""
+    maps = trainer.id_space.memory_bytes() if trainer.id_space is not None else 0
+    return _tensor_bytes(trainer.model.state_dict()) + _tensor_bytes(trainer.optimizer.state_dict()) + maps
 
 
 def _tensor_bytes(node: Any) -> int:
