@@ -185,6 +185,7 @@ def run_worker(
     """
     if config.delivery.enabled:
         config.checkpoint_path_for_delivery()  # refused before anything starts
+        config.refuse_unservable_delivery()
     env = init_distributed(config.distributed.timeout_seconds, config.distributed.device)
     metrics = WorkerMetrics(config.metrics.auc_window, [t.name for t in config.tasks()])
     metrics.info.info({"rank": str(env.rank), "world_size": str(env.world_size), "topic": config.kafka.topic})

@@ -182,6 +182,13 @@ def export_snapshot(
             f"worker's config with --config"
         )
     features, model_config, tasks = servable_config(record)
+    managed = [t.name for t in features.tables if t.id_mapping == "managed"]
+    if managed:
+        # The snapshot's id space is not in the base: a server would look raw ids up as rows.
+        raise ExportError(
+            f"{snapshot.path} has managed tables ({', '.join(managed)}), which a base cannot serve yet: it "
+            f"does not carry their raw id -> row mapping; train them with id_mapping: hash or modulo to deliver"
+        )
     flat = _flatten(snapshot)
     click = unsharded_model(features, model_config, tasks)
     missing, unexpected = click.load_state_dict(flat["model"], strict=False)
@@ -241,7 +248,8 @@ def export_snapshot(
             "export_torch": torch.__version__,
         },
         "parameters": {
-            "tables": {t.name: _EMBEDDINGS.format(t.name) for t in features.tables},
+            # One per embedding table: a feature sharing another's table (shares_table_with) has none.
+            "tables": {t.name: _EMBEDDINGS.format(t.name) for t in features.owned_tables()},
             "dense": {name: name for name in signature.parameters if not name.startswith("dlrm.sparse_arch.")},
         },
     }

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
@@ -75,10 +75,14 @@ class TouchedIds:
     """The row ids each table was looked up with since the last ``take()``, from the trained
     batches' KJTs (the decoder has already mapped them to rows). Adding a batch only keeps views of
     its values; once ``compact_at`` ids are held they are reduced to the unique ones, so the memory
-    is bounded by the tables' rows however long a delta waits."""
+    is bounded by the tables' rows however long a delta waits.
 
-    def __init__(self, tables: Sequence[str], compact_at: int = 1 << 22):
+    ``table_of`` maps a KJT key (a feature) to the table it looks up, where that is not its own:
+    a feature sharing another's table (``shares_table_with``) touches the owner's rows."""
+
+    def __init__(self, tables: Sequence[str], table_of: Mapping[str, str] | None = None, compact_at: int = 1 << 22):
         self.tables = list(tables)
+        self.table_of = dict(table_of or {})
         self.compact_at = compact_at
         self.pending: dict[str, list[torch.Tensor]] = {t: [] for t in self.tables}
         self.held = 0
@@ -87,7 +91,7 @@ class TouchedIds:
         lengths = features.length_per_key()
         for key, ids in zip(features.keys(), features.values().split(lengths), strict=True):
             if ids.numel():
-                self.pending[key].append(ids)
+                self.pending[self.table_of.get(key, key)].append(ids)
         self.held += sum(lengths)
         if self.held >= self.compact_at:
             self.held = 0
@@ -447,7 +451,11 @@ class Publisher:
         self.metrics = metrics
         self.clock = clock
         self.model_id = delivery.resolved_model_id(config.kafka.topic)
-        self.touched = TouchedIds([t.name for t in config.features.tables])
+        features = config.features
+        self.touched = TouchedIds(
+            [t.name for t in features.owned_tables()],
+            {t.name: t.shares_table_with for t in features.tables if t.shares_table_with is not None},
+        )
         self.last_cut_at = clock()
         self.last_cut_step = stream.step
         self.step_mark = stream.step  # delta_interval_steps counts from here
