@@ -640,20 +640,6 @@ class WorkerConfig(_Strict):
             )
         return self.checkpoint.path
 
-    def refuse_unservable_delivery(self) -> None:
-        """Delivery of managed tables is refused when the worker starts: a server would look raw
-        ids up as rows, since bases and deltas do not yet carry the id space's mapping or its
-        evictions, and serve wrong scores without any error."""
-        managed = [(i, t.name) for i, t in enumerate(self.features.tables) if t.id_mapping == "managed"]
-        if managed:
-            i, name = managed[0]
-            raise ConfigError(
-                f"invalid worker configuration:\n  features.tables.{i}.id_mapping: managed ({name}) cannot be "
-                "delivered yet: bases and deltas do not carry its raw id -> row mapping, so a server would "
-                "score wrong rows; use id_mapping: hash or modulo for that table, or delivery.enabled: false "
-                "(STREAMTRAIN_DELIVERY__ENABLED=false)"
-            )
-
     def tasks(self) -> list[TaskConfig]:
         """The tasks trained, in head order: model.tasks, else the one on features.label."""
         return list(self.model.tasks) if self.model.tasks is not None else default_tasks(self.features)

@@ -185,7 +185,6 @@ def run_worker(
     """
     if config.delivery.enabled:
         config.checkpoint_path_for_delivery()  # refused before anything starts
-        config.refuse_unservable_delivery()
     env = init_distributed(config.distributed.timeout_seconds, config.distributed.device)
     metrics = WorkerMetrics(config.metrics.auc_window, [t.name for t in config.tasks()])
     metrics.info.info({"rank": str(env.rank), "world_size": str(env.world_size), "topic": config.kafka.topic})
@@ -257,6 +256,7 @@ def run_worker(
         publisher = Publisher(
             config, trainer.model, trainer.plan, env.rank, env.world_size, own_group(), own_group(),
             snapshots.state, lambda: checkpointer.last_saved_step, checkpointer.pinned, metrics,
+            id_space=trainer.id_space,
         )  # fmt: skip
         publisher.begin_chain(restored)
     start_snapshot = restored.step if restored else None
