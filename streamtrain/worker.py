@@ -257,6 +257,7 @@ def run_worker(
         publisher = Publisher(
             config, trainer.model, trainer.plan, env.rank, env.world_size, own_group(), own_group(),
             snapshots.state, lambda: checkpointer.last_saved_step, checkpointer.pinned, metrics,
+            id_space=trainer.id_space,
         )  # fmt: skip
         publisher.begin_chain(restored)
     start_snapshot = restored.step if restored else None

@@ -4,8 +4,19 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
-from streamtrain.delivery.deltas import Assembler, Delta, DeltaFormatError, DeltaId, DensePiece, RowPiece, encode
+from streamtrain.delivery.artifact import ServedIds
+from streamtrain.delivery.deltas import (
+    Assembler,
+    Delta,
+    DeltaFormatError,
+    DeltaId,
+    DensePiece,
+    IdPiece,
+    RowPiece,
+    encode,
+)
 
 
 def _delta() -> Delta:
@@ -51,3 +62,42 @@ def test_a_delta_is_chunked_below_the_size_and_reassembled_in_any_order_with_rep
 def test_a_chunk_in_another_format_is_refused_with_what_is_wrong():
     with pytest.raises(DeltaFormatError, match="not a streamtrain delta chunk"):
         Assembler().add(b"\x00\x00\x00\x01garbage")
+
+
+def test_a_managed_tables_ids_and_evictions_round_trip_in_chunks_and_an_empty_whole_map_still_travels():
+    rows = np.arange(0, 3000, dtype=np.int64)
+    raw = rows * -7_000_000_000_003  # raw ids are any int64, negative ones included
+    delta = Delta(
+        DeltaId("m", 1, 0, 5, 0, 0),
+        ids=[
+            IdPiece("user_id", rows, raw),
+            IdPiece("user_id", rows[:2], raw[:2] + 1, evicted=True),
+            IdPiece("adgroup_id", np.empty(0, np.int64), np.empty(0, np.int64), full=True),
+        ],
+    )
+    chunks = encode(delta, max_bytes=16_384)
+    assert len(chunks) > 3 and all(len(c) <= 16_384 for c in chunks)
+    assembler = Assembler()
+    got = [d for d in map(assembler.add, reversed(chunks)) if d is not None]
+    assert len(got) == 1
+    pieces = got[0].ids
+    mapped = sorted((p for p in pieces if p.table == "user_id" and not p.evicted), key=lambda p: int(p.rows[0]))
+    assert np.array_equal(np.concatenate([p.rows for p in mapped]), rows)
+    assert np.array_equal(np.concatenate([p.ids for p in mapped]), raw)
+    (evicted,) = [p for p in pieces if p.evicted]
+    assert evicted.rows.tolist() == [0, 1] and evicted.ids.tolist() == (raw[:2] + 1).tolist()
+    (whole,) = [p for p in pieces if p.table == "adgroup_id"]
+    assert whole.full and len(whole.rows) == 0
+
+
+def test_a_served_map_follows_evictions_moves_and_whole_maps():
+    served = ServedIds(np.array([0, 1]), np.array([100, 101]), unknown_row=9)
+    assert served.rows(torch.tensor([100, 101, 555])).tolist() == [0, 1, 9]
+    served.evict(np.array([0]), np.array([100]))  # ttl freed row 0
+    served.assign(np.array([1, 2]), np.array([102, 101]))  # row 1 given to 102; 101 moved to row 2
+    assert served.row_of == {102: 1, 101: 2} and served.id_at == {1: 102, 2: 101}
+    served.evict(np.array([2]), np.array([555]))  # an eviction of another id leaves row 2 as it is
+    assert served.rows(torch.tensor([100, 101, 102])).tolist() == [9, 2, 1]
+    served.clear()
+    served.assign(np.array([3]), np.array([7]))
+    assert served.row_of == {7: 3}

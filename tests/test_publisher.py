@@ -82,6 +82,12 @@ def test_touched_ids_are_each_tables_unique_rows_across_compactions():
     assert all(ids.size == 0 for ids in touched.take().values())  # a take starts afresh
 
 
+def test_a_feature_sharing_a_table_touches_its_owners_rows():
+    touched = TouchedIds(["cate_id"], {"recent_cate_ids": "cate_id"})
+    touched.add(kjt({"cate_id": [4], "recent_cate_ids": [7, 4, 2]}))
+    assert {table: ids.tolist() for table, ids in touched.take().items()} == {"cate_id": [2, 4, 7]}
+
+
 @pytest.fixture(scope="module")
 def batches():
     raw = yaml.safe_load((REPO / "tests" / "worker-small.yaml").read_text())

@@ -37,7 +37,7 @@ import streamtrain
 from streamtrain.checkpoint import MARKER, SnapshotInfo, list_snapshots, verify_snapshot
 from streamtrain.config import FeaturesConfig, ModelConfig, TaskConfig, default_tasks
 from streamtrain.decode import ClickBatch
-from streamtrain.delivery.deltas import Delta
+from streamtrain.delivery.deltas import Delta, IdPiece
 from streamtrain.model import ClickModel, embedding_configs
 from streamtrain.schema import load_schema
 
@@ -49,6 +49,7 @@ PROGRAM = "model.pt2"
 READER_SCHEMA = "reader.avsc"
 WRITER_SCHEMAS = "writer_schemas"
 MANIFEST_FORMAT = 1
+ID_MAPS = "id_maps.npz"
 _PARTIAL = ".partial"
 _TABLE_FIELDS = {"name", "field", "num_embeddings", "embedding_dim", "pooling", "id_mapping"}
 _EMBEDDINGS = "dlrm.sparse_arch.embedding_bag_collection.embedding_bags.{}.weight"
@@ -206,6 +207,12 @@ def export_snapshot(
         shutil.rmtree(partial)
     partial.mkdir()
     torch.export.save(program, partial / PROGRAM)
+    id_maps = _id_maps(features, flat)
+    if id_maps:
+        arrays = {f"{t}.rows": rows for t, (rows, _ids) in id_maps.items()}
+        arrays |= {f"{t}.ids": ids for t, (_rows, ids) in id_maps.items()}
+        with (partial / ID_MAPS).open("wb") as file:
+            np.savez(file, allow_pickle=False, **arrays)
     reader = load_schema(features.resolved_schema_path())
     (partial / READER_SCHEMA).write_text(json.dumps(reader))
     features_record = dict(record["features"])
@@ -240,8 +247,16 @@ def export_snapshot(
             "streamtrain": getattr(streamtrain, "__version__", _own_version()),
             "export_torch": torch.__version__,
         },
+        # Managed tables: ID_MAPS holds each one's map (raw id -> row) at the snapshot's cut; ids
+        # not in it read the unknown row, as in training.
+        "id_maps": {
+            t.name: {"unknown_row": t.live_rows(), "file": ID_MAPS}
+            for t in features.tables
+            if t.id_mapping == "managed"
+        },
         "parameters": {
-            "tables": {t.name: _EMBEDDINGS.format(t.name) for t in features.tables},
+            # One per embedding table: a feature sharing another's table (shares_table_with) has none.
+            "tables": {t.name: _EMBEDDINGS.format(t.name) for t in features.owned_tables()},
             "dense": {name: name for name in signature.parameters if not name.startswith("dlrm.sparse_arch.")},
         },
     }
@@ -262,6 +277,21 @@ def export_snapshot(
         time.monotonic() - started,
     )
     return final
+
+
+def _id_maps(features: FeaturesConfig, flat: dict[str, Any]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Each managed table's live rows and their raw ids, from the snapshot's id space."""
+    managed = [t.name for t in features.tables if t.id_mapping == "managed"]
+    if managed and "id_space" not in flat:
+        raise ExportError(
+            "the snapshot has managed tables but no id_space: it cannot map their ids; export a newer one"
+        )
+    maps = {}
+    for name in managed:
+        state = flat["id_space"][name]
+        rows = state["in_use"].nonzero().squeeze(1)
+        maps[name] = (rows.to(torch.int64).numpy(), state["ids"][rows].to(torch.int64).numpy())
+    return maps
 
 
 def _own_version() -> str:
@@ -335,6 +365,41 @@ class DeltaMismatch(ValueError):
     """A delta that names a table, parameter or shape this base does not have."""
 
 
+class ServedIds:
+    """A managed table's map from raw ids to rows in a server, as the trainer's at the base or the
+    newest applied delta; ids without a row read the unknown row, as in training."""
+
+    def __init__(self, rows: np.ndarray, ids: np.ndarray, unknown_row: int):
+        self.unknown_row = unknown_row
+        self.row_of: dict[int, int] = {}
+        self.id_at: dict[int, int] = {}
+        self.assign(rows, ids)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        unknown = self.unknown_row
+        return torch.tensor([self.row_of.get(i, unknown) for i in ids.tolist()], dtype=ids.dtype)
+
+    def assign(self, rows: np.ndarray, ids: np.ndarray) -> None:
+        for row, raw in zip(rows.tolist(), ids.tolist(), strict=True):
+            previous = self.id_at.get(row)
+            if previous is not None and self.row_of.get(previous) == row:
+                del self.row_of[previous]
+            moved_from = self.row_of.get(raw)
+            if moved_from is not None and self.id_at.get(moved_from) == raw:
+                del self.id_at[moved_from]
+            self.row_of[raw], self.id_at[row] = row, raw
+
+    def evict(self, rows: np.ndarray, ids: np.ndarray) -> None:
+        for row, raw in zip(rows.tolist(), ids.tolist(), strict=True):
+            if self.row_of.get(raw) == row:
+                del self.row_of[raw]
+            if self.id_at.get(row) == raw:
+                del self.id_at[row]
+
+    def clear(self) -> None:
+        self.row_of, self.id_at = {}, {}
+
+
 class ServableModel:
     """A base loaded for scoring in this process: no process group, no DMP."""
 
@@ -347,13 +412,17 @@ class ServableModel:
         names = self.manifest.raw["parameters"]
         self.tables = {table: parameters[name] for table, name in names["tables"].items()}
         self.dense = {state_name: parameters[name] for state_name, name in names["dense"].items()}
+        self.id_maps: dict[str, ServedIds] = {}
+        for table, entry in self.manifest.raw.get("id_maps", {}).items():
+            with np.load(self.path / entry["file"]) as arrays:
+                self.id_maps[table] = ServedIds(arrays[f"{table}.rows"], arrays[f"{table}.ids"], entry["unknown_row"])
 
     def score(self, batch: ClickBatch) -> np.ndarray:
         """Click probabilities [B, tasks], in the manifest's task order."""
         if batch.size == 0:
             return np.zeros((0, len(self.manifest.tasks)), dtype=np.float32)
         sparse = batch.sparse_features
-        dense, values, lengths = batch.dense_features, sparse.values(), sparse.lengths().to(torch.int32)
+        dense, values, lengths = batch.dense_features, self._rows(sparse), sparse.lengths().to(torch.int32)
         if batch.size == 1:
             # The exported program guards its batch dimension at 2 and more (export specialises a
             # size of 1); one event is scored as two copies of itself, each row on its own.
@@ -361,6 +430,16 @@ class ServableModel:
         with torch.no_grad():
             probabilities = self.module(dense, values, lengths)
         return probabilities[: batch.size].numpy()
+
+    def _rows(self, sparse: KeyedJaggedTensor) -> torch.Tensor:
+        """The KJT's values as rows: managed tables' raw ids mapped as the trainer maps them."""
+        if not self.id_maps:
+            return sparse.values()
+        parts = sparse.values().split(sparse.length_per_key())
+        mapped = [
+            self.id_maps[k].rows(v) if k in self.id_maps else v for k, v in zip(sparse.keys(), parts, strict=True)
+        ]
+        return torch.cat(mapped)
 
     def apply(self, delta: Delta) -> None:
         """Writes the delta's rows and dense values into the parameters. Checks every piece first,
@@ -373,6 +452,9 @@ class ServableModel:
             rows, dim = table.shape
             if row.column + width > dim or (len(row.ids) and (row.ids.min() < 0 or row.ids.max() >= rows)):
                 raise DeltaMismatch(f"delta {delta.id.sequence}: rows of {row.table} outside its {rows} x {dim} weight")
+        for mapped in delta.ids:
+            if mapped.table not in self.id_maps:
+                raise DeltaMismatch(f"delta {delta.id.sequence} maps ids of {mapped.table!r}, no managed table here")
         for piece in delta.dense:
             parameter = self.dense.get(piece.name)
             if parameter is None:
@@ -392,3 +474,15 @@ class ServableModel:
                 flat = self.dense[piece.name].view(-1)
                 end = piece.offset + piece.values.size
                 flat[piece.offset : end] = torch.from_numpy(np.array(piece.values, np.float32))
+        self._apply_ids(delta.ids)
+
+    def _apply_ids(self, pieces: list[IdPiece]) -> None:
+        """Evictions first, then the rows' ids at the delta's step; a whole map replaces the table's."""
+        for table in {piece.table for piece in pieces if piece.full}:
+            self.id_maps[table].clear()
+        for piece in pieces:
+            if piece.evicted:
+                self.id_maps[piece.table].evict(piece.rows, piece.ids)
+        for piece in pieces:
+            if not piece.evicted:
+                self.id_maps[piece.table].assign(piece.rows, piece.ids)

@@ -14,6 +14,13 @@ JSON), then the body, little-endian:
 - ``kind: "dense"``: ``count`` float32 values, elements ``[offset, offset + count)`` of the
   flattened dense parameter ``section`` (its ``shape`` in the header), named as in the model's
   state dict.
+- ``kind: "ids"`` and ``kind: "evicted"``, for a managed table (``id_mapping: managed``) ``section``:
+  ``count`` int64 rows, then ``count`` int64 raw ids. ``ids``: at the delta's step raw id i is
+  looked up at row i (for the rows this delta carries that hold a live id). ``evicted``: raw id i
+  left row i since the previous delta. A reader applies evictions first, then ``ids``; with
+  ``full: true`` in an ``ids`` chunk's header the delta carries the table's whole map, which
+  replaces the reader's (the worker's eviction log did not reach back to the previous delta).
+  Readers that predate these kinds never meet them: only managed tables produce them.
 
 Header fields, in every chunk: ``model_id``, ``base_version`` (the version of the base this
 delta's chain started from: a delta applies only on a base of that chain), ``sequence`` (the
@@ -21,7 +28,8 @@ delta's number in its chain, contiguous from the base's ``delta_sequence``), ``s
 ``event_time_high_water_ms`` (the newest event time the delta's state has trained),
 ``published_at_ms``, ``section`` (a table name, or a dense parameter's name), ``kind``,
 ``part`` and ``parts`` (this chunk is part ``part`` of ``parts``, counted over the whole delta),
-and per kind: ``column``, ``width``, ``count`` (rows); ``shape``, ``offset``, ``count`` (dense).
+and per kind: ``column``, ``width``, ``count`` (rows); ``shape``, ``offset``, ``count`` (dense);
+``count``, ``full`` (ids, evicted).
 """
 
 from __future__ import annotations
@@ -73,11 +81,25 @@ class DensePiece:
     values: np.ndarray  # float32 [count]
 
 
+@dataclass(frozen=True)
+class IdPiece:
+    """A managed table's map at rows ``rows``: raw id ``ids[i]`` is looked up at ``rows[i]``
+    (``evicted``: it no longer is). ``full``: a part of the table's whole map, which replaces the
+    reader's."""
+
+    table: str
+    rows: np.ndarray  # int64 [n]
+    ids: np.ndarray  # int64 [n], raw ids
+    evicted: bool = False
+    full: bool = False
+
+
 @dataclass
 class Delta:
     id: DeltaId
     rows: list[RowPiece] = field(default_factory=list)
     dense: list[DensePiece] = field(default_factory=list)
+    ids: list[IdPiece] = field(default_factory=list)
 
 
 def encode(delta: Delta, max_bytes: int) -> list[bytes]:
@@ -105,6 +127,14 @@ def encode(delta: Delta, max_bytes: int) -> list[bytes]:
             meta = {"section": dense.name, "kind": "dense", "shape": list(dense.shape), "offset": dense.offset + start}
             meta["count"] = int(chunk.size)
             bodies.append((meta, chunk.tobytes()))
+    for mapped in delta.ids:
+        step = max(budget // 16, 1)
+        for start in range(0, max(len(mapped.rows), 1) if mapped.full else len(mapped.rows), step):
+            rows = np.ascontiguousarray(mapped.rows[start : start + step], dtype="<i8")
+            raw = np.ascontiguousarray(mapped.ids[start : start + step], dtype="<i8")
+            kind = "evicted" if mapped.evicted else "ids"
+            meta = {"section": mapped.table, "kind": kind, "count": len(rows), "full": mapped.full}
+            bodies.append((meta, rows.tobytes() + raw.tobytes()))
     chunks = []
     for part, (meta, body) in enumerate(bodies):
         header = json.dumps({**asdict(delta.id), **meta, "part": part, "parts": len(bodies)}).encode()
@@ -112,7 +142,7 @@ def encode(delta: Delta, max_bytes: int) -> list[bytes]:
     return chunks
 
 
-def decode_chunk(data: bytes) -> tuple[dict[str, Any], RowPiece | DensePiece]:
+def decode_chunk(data: bytes) -> tuple[dict[str, Any], RowPiece | DensePiece | IdPiece]:
     """One chunk's header and its piece."""
     if data[:4] != MAGIC:
         raise DeltaFormatError(f"not a streamtrain delta chunk: it starts with {data[:4]!r}, not {MAGIC!r}")
@@ -135,6 +165,13 @@ def decode_chunk(data: bytes) -> tuple[dict[str, Any], RowPiece | DensePiece]:
             raise DeltaFormatError(f"a dense chunk of {count} values has {len(body)} body bytes")
         values = np.frombuffer(body, dtype="<f4", count=count)
         return header, DensePiece(header["section"], tuple(header["shape"]), int(header["offset"]), values)
+    if header["kind"] in ("ids", "evicted"):
+        if len(body) != 16 * count:
+            raise DeltaFormatError(f"an {header['kind']} chunk of {count} rows has {len(body)} body bytes")
+        rows = np.frombuffer(body, dtype="<i8", count=count)
+        raw = np.frombuffer(body, dtype="<i8", offset=8 * count, count=count)
+        evicted = header["kind"] == "evicted"
+        return header, IdPiece(header["section"], rows, raw, evicted, bool(header.get("full", False)))
     raise DeltaFormatError(f"unknown chunk kind {header['kind']!r}")
 
 
@@ -155,7 +192,12 @@ class Assembler:
         part = int(header["part"])
         if part not in seen:
             seen.add(part)
-            (delta.rows if isinstance(piece, RowPiece) else delta.dense).append(piece)  # type: ignore[arg-type]
+            if isinstance(piece, RowPiece):
+                delta.rows.append(piece)
+            elif isinstance(piece, DensePiece):
+                delta.dense.append(piece)
+            else:
+                delta.ids.append(piece)
         if len(seen) < parts:
             return None
         del self._pending[key]

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
@@ -48,10 +48,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from streamtrain.checkpoint import DeliveryPosition, StreamState
 from streamtrain.config import DeliveryConfig, KafkaConfig, WorkerConfig
-from streamtrain.delivery.deltas import Delta, DeltaId, DensePiece, RowPiece, encode
+from streamtrain.delivery.deltas import Delta, DeltaId, DensePiece, IdPiece, RowPiece, encode
 from streamtrain.lockstep import Question
 
 if TYPE_CHECKING:
+    from streamtrain.idspace import IdSpace
     from streamtrain.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -75,10 +76,14 @@ class TouchedIds:
     """The row ids each table was looked up with since the last ``take()``, from the trained
     batches' KJTs (the decoder has already mapped them to rows). Adding a batch only keeps views of
     its values; once ``compact_at`` ids are held they are reduced to the unique ones, so the memory
-    is bounded by the tables' rows however long a delta waits."""
+    is bounded by the tables' rows however long a delta waits.
 
-    def __init__(self, tables: Sequence[str], compact_at: int = 1 << 22):
+    ``table_of`` maps a KJT key (a feature) to the table it looks up, where that is not its own:
+    a feature sharing another's table (``shares_table_with``) touches the owner's rows."""
+
+    def __init__(self, tables: Sequence[str], table_of: Mapping[str, str] | None = None, compact_at: int = 1 << 22):
         self.tables = list(tables)
+        self.table_of = dict(table_of or {})
         self.compact_at = compact_at
         self.pending: dict[str, list[torch.Tensor]] = {t: [] for t in self.tables}
         self.held = 0
@@ -87,7 +92,7 @@ class TouchedIds:
         lengths = features.length_per_key()
         for key, ids in zip(features.keys(), features.values().split(lengths), strict=True):
             if ids.numel():
-                self.pending[key].append(ids)
+                self.pending[self.table_of.get(key, key)].append(ids)
         self.held += sum(lengths)
         if self.held >= self.compact_at:
             self.held = 0
@@ -276,11 +281,31 @@ def delta_folder(delta: DeltaId) -> str:
     return f"delta-{delta.base_version:06d}-{delta.sequence:09d}"
 
 
+def id_pieces(id_space: IdSpace, touched: dict[str, np.ndarray], since_step: int) -> list[IdPiece]:
+    """The managed tables' map for a delta: the ids left since id-space step ``since_step`` (the
+    previous delta's), and the raw id of each touched row that holds one at the cut; the whole map
+    where the eviction log does not reach back to ``since_step``."""
+    pieces = []
+    for table in (t.name for t in id_space.tables):
+        live_rows, raw_ids = (t.numpy() for t in id_space.raw_ids(table))
+        evicted = id_space.evicted_since(table, since_step)
+        if evicted is None:
+            pieces.append(IdPiece(table, live_rows, raw_ids, full=True))
+            continue
+        if len(evicted):
+            pieces.append(IdPiece(table, evicted.rows.numpy(), evicted.ids.numpy(), evicted=True))
+        carried = np.isin(live_rows, touched.get(table, np.empty(0, np.int64)))
+        if carried.any():
+            pieces.append(IdPiece(table, live_rows[carried], raw_ids[carried]))
+    return pieces
+
+
 @dataclass
 class _Cut:
     id: DeltaId
     rows: list[RowPiece]
     dense: list[DensePiece]
+    ids: list[IdPiece]
     cut_at: float
 
 
@@ -434,9 +459,11 @@ class Publisher:
         metrics: WorkerMetrics | None = None,
         target: DeltaTarget | None = None,
         clock: Callable[[], float] = time.monotonic,
+        id_space: IdSpace | None = None,
     ):
         """``stream`` is the snapshot schedule's state: the publisher keeps its ``delivery`` position
-        current, so each snapshot records the next delta's sequence."""
+        current, so each snapshot records the next delta's sequence. ``id_space``: the trainer's,
+        when it has managed tables; their maps travel with the deltas."""
         delivery = config.delivery
         self.config = delivery
         self.model = model
@@ -450,7 +477,14 @@ class Publisher:
         self.metrics = metrics
         self.clock = clock
         self.model_id = delivery.resolved_model_id(config.kafka.topic)
-        self.touched = TouchedIds([t.name for t in config.features.tables])
+        self.id_space = id_space
+        # The id-space step of the previous delta's cut (or of the start's base): evictions since it go out.
+        self.id_space_step = id_space.step if id_space is not None else 0
+        features = config.features
+        self.touched = TouchedIds(
+            [t.name for t in features.owned_tables()],
+            {t.name: t.shares_table_with for t in features.tables if t.shares_table_with is not None},
+        )
         self.last_cut_at = clock()
         self.last_cut_step = stream.step
         self.step_mark = stream.step  # delta_interval_steps counts from here
@@ -549,6 +583,12 @@ class Publisher:
         state = self.model.state_dict()
         rows = local_rows(state, self.plan, self.rank, ids)
         dense = dense_pieces(state) if self.rank == 0 else []
+        # Every rank holds the same map: rank 0 alone sends it.
+        mapped = []
+        if self.id_space is not None:
+            if self.rank == 0:
+                mapped = id_pieces(self.id_space, ids, self.id_space_step)
+            self.id_space_step = self.id_space.step
         delta_id = DeltaId(self.model_id, position.chain, position.next_sequence, self.stream.step, high_water, 0)
         self.stream.delivery = DeliveryPosition(position.chain, position.next_sequence + 1)
         self.last_cut_at, self.last_cut_step = self.clock(), self.stream.step
@@ -559,7 +599,7 @@ class Publisher:
         self.steps_due_at = None
         self.in_flight = True
         self.done.clear()
-        self.cuts.put(_Cut(delta_id, rows, dense, time.monotonic()))  # room: one delta in flight
+        self.cuts.put(_Cut(delta_id, rows, dense, mapped, time.monotonic()))  # room: one delta in flight
         if self.metrics:
             self.metrics.delta_cut_seconds.observe(time.perf_counter() - started)
 
@@ -583,12 +623,12 @@ class Publisher:
     def _gathered(self, cut: _Cut) -> Delta | None:
         """Rank 0: the whole delta, every rank's rows in it; other ranks: None."""
         if self.world_size == 1:
-            return Delta(cut.id, cut.rows, cut.dense)
+            return Delta(cut.id, cut.rows, cut.dense, cut.ids)
         parts: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(cut.rows, parts, dst=0, group=self.send_group)
         if parts is None:
             return None
-        return Delta(cut.id, [piece for rows in parts for piece in rows], cut.dense)
+        return Delta(cut.id, [piece for rows in parts for piece in rows], cut.dense, cut.ids)
 
     def _deliver(self, delta: Delta, cut_at: float) -> None:
         assert self.target is not None
