@@ -75,6 +75,18 @@ def prometheus_tool(name: str) -> str:
     return path
 
 
+def join_as_spawned_rank(rank: int, world_size: int, port: int) -> None:
+    """Sets the environment torchrun would give a rank of a single-node run on 127.0.0.1:``port``."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+
+
 def leave_spawned_rank() -> None:
     """Ends a spawned test rank once its results are written, skipping the C++ destructors at
     interpreter exit: a rank holding a Trainer once aborted there in CI ("terminate called without

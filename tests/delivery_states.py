@@ -9,7 +9,6 @@ k-1; one more restore scores the last state.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 import yaml
 
-from conftest import REPO, SCHEMA, leave_spawned_rank
+from conftest import REPO, SCHEMA, join_as_spawned_rank, leave_spawned_rank
 from streamtrain.checkpoint import Checkpointer, StreamState, list_snapshots
 from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
@@ -57,14 +56,7 @@ def held_out(count: int) -> tuple[list[bytes], list[dict]]:
 
 
 def _rank(rank: int, world_size: int, port: int, raw: dict, root: str, batches: list[int], eval_sizes: list[int]):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    join_as_spawned_rank(rank, world_size, port)
     config = parse_config(raw, environ={})
     env = init_distributed()
     decoder = AvroBatchDecoder(config.features, tasks=config.tasks())

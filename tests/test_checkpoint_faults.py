@@ -5,7 +5,6 @@ tensors, and a warm start from another run's snapshot takes its weights but not 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -18,7 +17,7 @@ import torch.multiprocessing as mp
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import REPO, SCHEMA, leave_spawned_rank, prometheus_tool
+from conftest import REPO, SCHEMA, join_as_spawned_rank, leave_spawned_rank, prometheus_tool
 from streamtrain.checkpoint import (
     FINGERPRINT_VERSION,
     Checkpointer,
@@ -285,14 +284,7 @@ def test_snapshots_failing_max_consecutive_times_stop_every_rank_with_code_6(
 
 
 def _save_then_restore(rank: int, port: int, root: str, rank1_view: str, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE="2",
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE="2",
-    )
+    join_as_spawned_rank(rank, 2, port)
     config = parse_config(raw_config(root, keep_last=5), environ={})
     env = init_distributed()
     trainer = Trainer(config, env)

@@ -8,7 +8,6 @@ table-wise and column-wise tables move twice as far at 2 ranks.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -17,7 +16,7 @@ import torch.multiprocessing as mp
 import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import REPO, SCHEMA, leave_spawned_rank
+from conftest import REPO, SCHEMA, join_as_spawned_rank, leave_spawned_rank
 from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.dev.kafka import free_port
@@ -51,14 +50,7 @@ def sgd_config() -> dict:
 
 
 def _one_step(rank: int, world_size: int, port: int, out: str, start: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    join_as_spawned_rank(rank, world_size, port)
     config = parse_config(sgd_config(), environ={})
     trainer = Trainer(config, init_distributed())
     # Each rank initialises its own shards, so 1 and 2 ranks start apart: both start from the

@@ -7,7 +7,6 @@ tests/test_idspace_faults.py."""
 from __future__ import annotations
 
 import copy
-import os
 from collections import defaultdict
 
 import numpy as np
@@ -16,7 +15,7 @@ import torch
 import torch.multiprocessing as mp
 import yaml
 
-from conftest import REPO, SCHEMA, leave_spawned_rank
+from conftest import REPO, SCHEMA, join_as_spawned_rank, leave_spawned_rank
 from streamtrain.checkpoint import Checkpointer, CheckpointError, StreamState
 from streamtrain.config import ConfigError, TableConfig, parse_config
 from streamtrain.decode import AvroBatchDecoder, ClickBatch
@@ -225,17 +224,6 @@ def test_the_cut_tells_deltas_each_rows_raw_id_and_what_was_evicted_since_a_step
 # --- real ranks -----------------------------------------------------------------------------------
 
 
-def join(rank: int, world_size: int, port: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
-
-
 def global_batches(steps: int = STEPS) -> list[list[RawEvent]]:
     events = [
         RawEvent(0, i, value, 0)
@@ -256,7 +244,7 @@ def rank_batches(decoder: AvroBatchDecoder, rank: int, world_size: int, steps: l
 
 
 def _consistency_rank(rank: int, world_size: int, port: int, out: str, optimizer: str) -> None:
-    join(rank, world_size, port)
+    join_as_spawned_rank(rank, world_size, port)
     config = parse_config(managed_raw(optimizer, {"user_id": "column_wise", "adgroup_id": "table_wise"}), environ={})
     trainer = Trainer(config, init_distributed())
     id_space = trainer.id_space
@@ -357,7 +345,7 @@ def assert_same_state(ours: dict, theirs: dict) -> None:
 def _snapshot_rank(rank: int, world_size: int, port: int, out: str, phase: str) -> None:
     """``first``: train every step, snapshotting after step SNAPSHOT_STEP; ``restored``: restore that
     snapshot (at another world size) and train the steps after it."""
-    join(rank, world_size, port)
+    join_as_spawned_rank(rank, world_size, port)
     raw = managed_raw()
     raw["checkpoint"] = {"path": f"{out}/snapshots"}
     config = parse_config(raw, environ={})
