@@ -264,10 +264,12 @@ class TableIds:
         rows = self.in_use.nonzero().squeeze(1)
         return rows, self.ids[rows].clone()
 
-    def memory_bytes(self) -> int:
+    def memory_bytes(self, full: bool = False) -> int:
+        """Bytes of the map now, or (``full``) once every row holds an id."""
         tensors = (self.ids, self.in_use, self.last_step, self.last_time_ms, self.counts, self.sketch)
         # A dict entry: its slot, plus a key and a value int object (small rows are shared; ignored).
-        return sum(t.nbytes for t in tensors) + sys.getsizeof(self.index) + 64 * len(self.index)
+        entries = len(self.ids) if full else len(self.index)
+        return sum(t.nbytes for t in tensors) + sys.getsizeof(self.index) + 64 * entries
 
     # --- snapshots ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -442,9 +444,10 @@ class IdSpace:
         metrics.rows_in_use.labels(name).set(len(table.index))
         metrics.memory_bytes.labels(name).set(table.memory_bytes() + self.at_cut.tables[name].memory_bytes())
 
-    def memory_bytes(self) -> int:
-        """What the maps take in memory on this rank: every managed table's, both copies."""
-        return sum(t.memory_bytes() for copy_ in (self.ahead, self.at_cut) for t in copy_.tables.values())
+    def memory_bytes(self, full: bool = False) -> int:
+        """What the maps take in memory on this rank, every managed table's, both copies: now, or
+        (``full``) once every row holds an id."""
+        return sum(t.memory_bytes(full) for copy_ in (self.ahead, self.at_cut) for t in copy_.tables.values())
 
     # --- the trained copy: snapshots and deltas ------------------------------------------------
     def state_dict(self) -> dict[str, object]:
