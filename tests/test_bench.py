@@ -335,11 +335,7 @@ def test_naive_loop_averages_the_tables_sparse_gradients_over_ranks(tmp_path):
 
 
 def test_idspace_benchmark_trains_one_drifting_stream_hash_managed_and_reference_side_by_side():
-    """Skip-free across issue 12's merge: while the config has no ``id_mapping: managed`` the two
-    hash legs run and the bench fails, naming why; once it has one, all three legs must run, the
-    managed leg within the hash leg's memory, and the bench must succeed."""
-    from streamtrain.bench.idspace import managed_available
-
+    """All three legs run, the managed leg within the hash leg's memory, and the bench reports both goals."""
     result = subprocess.run(
         [sys.executable, "-m", "streamtrain", "bench", "idspace", "--quick", "--config", str(SMALL_CONFIG)],
         cwd=REPO,
@@ -360,12 +356,6 @@ def test_idspace_benchmark_trains_one_drifting_stream_hash_managed_and_reference
     assert legs["reference"]["state_bytes"] > legs["hash"]["state_bytes"]
     assert re.search(r"hash +hash +300 ", printed) and re.search(r"reference +hash +3,000 ", printed)
     assert "Bayes AUC over the last 4,000 events" in printed
-    if not managed_available():
-        assert result.returncode == 1
-        assert saved["managed_auc"] is None and saved["throughput_ratio"] is None
-        assert "no managed id mapping" in saved["failed"] and "managed    not run" in printed
-        assert "bench idspace: the managed leg cannot run" in result.stderr
-        return
     assert result.returncode == 0, result.stderr[-3000:]
     assert 0.6 < saved["managed_auc"] < saved["bayes_auc"] + 0.02 and saved["throughput_ratio"] > 0
     assert legs["managed"]["state_bytes"] <= legs["hash"]["state_bytes"], "the managed leg must fit the same memory"
