@@ -54,7 +54,7 @@ lint: $(STAMP)
 	$(VENV)/bin/mypy
 
 test: setup lint
-	$(PY) -m pytest -ra tests
+	$(PY) -m pytest -ra --durations=40 tests
 
 demo: setup
 	$(PY) -m streamtrain demo
