@@ -11,8 +11,12 @@ import sys
 import threading
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from streamtrain.config import PACKAGE_DIR, ConfigError
+
+if TYPE_CHECKING:
+    from streamtrain.delivery.serve import DeltaSource
 
 DEFAULT_SCHEMA = PACKAGE_DIR / "schemas" / "click_event.avsc"
 
@@ -263,16 +267,9 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from streamtrain.delivery.serve import DeltaSource, DirectoryDeltas, KafkaDeltas, ScoringServer
+    from streamtrain.delivery.serve import ScoringServer
 
-    deltas: DeltaSource | None = None
-    if args.deltas:
-        if not args.bootstrap_servers:
-            print("streamtrain: --deltas TOPIC needs --bootstrap-servers HOST:PORT", file=sys.stderr)
-            return 2
-        deltas = KafkaDeltas(args.bootstrap_servers, args.deltas)
-    elif args.delta_dir:
-        deltas = DirectoryDeltas(args.delta_dir)
+    model, deltas = _serving_sources(args)
     if args.threads is not None:
         import torch
 
@@ -280,12 +277,41 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    server = ScoringServer(args.model, deltas, args.host, args.port, args.base_wait_seconds, args.base_wait_seconds)
+    server = ScoringServer(model, deltas, args.host, args.port, args.base_wait_seconds, args.base_wait_seconds)
     server.start()
-    print(f"serving {args.model} on http://{args.host}:{server.port} (POST /score, /readyz, /metrics)", flush=True)
+    print(f"serving {model} on http://{args.host}:{server.port} (POST /score, /readyz, /metrics)", flush=True)
     stop.wait()
     server.stop()
     return 0
+
+
+def _serving_sources(args: argparse.Namespace) -> tuple[Path, DeltaSource | None]:
+    """The bases' folder and the deltas to follow: the flags, else the worker's config (its
+    delivery target, brokers and client properties, so a secured cluster needs no flags)."""
+    from streamtrain.config import load_config
+    from streamtrain.delivery.serve import DirectoryDeltas, KafkaDeltas
+
+    config = load_config(args.config) if args.config else None
+    model = args.model
+    if model is None and config is not None and (config.delivery.path or config.checkpoint.path):
+        model = Path(config.delivery.resolved_path(config.checkpoint.path or ""))
+    if model is None:
+        raise ConfigError("serve needs --model DIR, or a --config with delivery.path or checkpoint.path")
+    directory = args.delta_dir or (config.delivery.directory if config and not args.deltas else None)
+    if directory:
+        return model, DirectoryDeltas(directory)
+    if config is None:
+        if not args.deltas:
+            return model, None
+        if not args.bootstrap_servers:
+            raise ConfigError("--deltas TOPIC needs --bootstrap-servers HOST:PORT, or the worker's --config")
+        return model, KafkaDeltas(args.bootstrap_servers, args.deltas)
+    kafka = config.kafka
+    return model, KafkaDeltas(
+        args.bootstrap_servers or kafka.bootstrap_servers,
+        args.deltas or config.delivery.resolved_topic(kafka.topic),
+        kafka.client_properties(),
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -493,11 +519,21 @@ def build_parser() -> argparse.ArgumentParser:
         "base. POST /score takes events as base64 Avro (the topic's wire format) or JSON objects; "
         "/healthz, /readyz and /metrics (Prometheus) too. See the README's Model delivery.",
     )
-    serve.add_argument("--model", required=True, type=Path, help="the bases' folder (what export wrote to --out)")
+    serve.add_argument(
+        "--config",
+        type=Path,
+        help="the worker's YAML (environment overrides apply): the bases' folder, the delta topic or folder, the "
+        "brokers and their client properties (SASL/TLS secrets from files) default to what the worker uses",
+    )
+    serve.add_argument(
+        "--model", type=Path, help="the bases' folder (export's --out; default with --config: delivery.path)"
+    )
     source = serve.add_mutually_exclusive_group()
     source.add_argument("--deltas", metavar="TOPIC", help="the delta topic (delivery.topic)")
     source.add_argument("--delta-dir", type=Path, help="the delta folder, for a worker with a directory target")
-    serve.add_argument("--bootstrap-servers", metavar="HOST:PORT", help="the Kafka brokers of --deltas")
+    serve.add_argument(
+        "--bootstrap-servers", metavar="HOST:PORT", help="the brokers of --deltas (default with --config: the worker's)"
+    )
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8500, help="the HTTP port (default 8500; 0: any free port)")
     serve.add_argument(

@@ -20,8 +20,9 @@ from confluent_kafka import Producer
 
 from conftest import REPO, SCHEMA, prometheus_tool
 from delivery_states import held_out
+from streamtrain.cli import _serving_sources, build_parser
 from streamtrain.config import parse_config
-from streamtrain.delivery.serve import KafkaDeltas, ScoringServer
+from streamtrain.delivery.serve import DirectoryDeltas, KafkaDeltas, ScoringServer
 from streamtrain.dev.kafka import create_topic, free_port
 from streamtrain.dev.produce import produce
 
@@ -78,7 +79,7 @@ def test_alerts_cover_what_operators_need():
     assert all(name in readme for name in names), "the README's Operating section explains every alert"
 
 
-def test_compose_and_kubernetes_files_hold_together():
+def test_compose_and_kubernetes_files_hold_together(tmp_path):
     compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
     services = compose["services"]
     assert {"kafka", "topic-init", "producer", "worker", "serve", "prometheus", "grafana"} <= set(services)
@@ -108,9 +109,18 @@ def test_compose_and_kubernetes_files_hold_together():
     serving = {d["kind"]: d for d in yaml.safe_load_all((DEPLOY / "k8s" / "serve.yaml").read_text())}
     pod = serving["Deployment"]["spec"]["template"]["spec"]
     args = pod["containers"][0]["args"]
-    assert args[args.index("--delta-dir") + 1] == k8s_config.delivery.directory
-    assert args[args.index("--model") + 1] == k8s_config.delivery.resolved_path(k8s_config.checkpoint.path or "")
-    assert pod["volumes"][0]["persistentVolumeClaim"]["claimName"] == k8s["PersistentVolumeClaim"]["metadata"]["name"]
+    config_mount = next(m["mountPath"] for m in pod["containers"][0]["volumeMounts"] if m["name"] == "config")
+    assert args[args.index("--config") + 1] == f"{config_mount}/worker.yaml"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == k8s["ConfigMap"]["metadata"]["name"]
+    claim = k8s["PersistentVolumeClaim"]["metadata"]["name"]
+    assert volumes["snapshots"]["persistentVolumeClaim"]["claimName"] == claim
+    # what serve makes of those args with the workers' ConfigMap: their bases and their delta folder
+    (tmp_path / "worker.yaml").write_text(k8s["ConfigMap"]["data"]["worker.yaml"])
+    parsed = build_parser().parse_args([*args[: args.index("--config") + 1], str(tmp_path / "worker.yaml")])
+    model, deltas = _serving_sources(parsed)
+    assert model == Path(k8s_config.delivery.resolved_path(k8s_config.checkpoint.path or ""))
+    assert isinstance(deltas, DirectoryDeltas) and deltas.path == Path(k8s_config.delivery.directory or "")
 
 
 def http_get(url: str) -> tuple[int, str]:

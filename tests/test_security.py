@@ -1,9 +1,14 @@
-"""SASL/SCRAM-SHA-512 on a real broker: a worker logs in with the password from a file and trains;
-a wrong password stops it at once with exit code 5; the password never reaches the worker's log,
-its metrics or its snapshots."""
+"""SASL/SCRAM-SHA-512 on a real broker: a worker logs in with the password from a file, trains and
+publishes deltas; `streamtrain serve --config` with the worker's YAML follows them, logged in the
+same way; a wrong password stops a worker at once with exit code 5; the password never reaches a
+log, the metrics, the snapshots or the bases."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 import urllib.request
 import uuid
 from pathlib import Path
@@ -12,8 +17,8 @@ import pytest
 import yaml
 from confluent_kafka import Producer
 
-from conftest import SCHEMA, SMALL_CONFIG
-from streamtrain.dev.kafka import KafkaBroker
+from conftest import REPO, SCHEMA, SMALL_CONFIG, scrape
+from streamtrain.dev.kafka import KafkaBroker, free_port
 from streamtrain.dev.produce import produce
 
 pytestmark = pytest.mark.integration
@@ -41,6 +46,7 @@ def sasl_worker_config(tmp_path: Path, password: str) -> Path:
     raw["kafka"]["client_config_files"] = {"sasl.password": str(secret)}
     raw["features"]["schema_path"] = str(SCHEMA)
     raw["checkpoint"] = {"path": str(tmp_path / "snapshots")}
+    raw["delivery"] = {"enabled": True, "delta_interval_seconds": 1}
     config = tmp_path / "worker.yaml"
     config.write_text(yaml.safe_dump(raw))
     return config
@@ -86,11 +92,14 @@ def test_sasl_login_from_a_file_trains_and_a_wrong_password_exits_5_without_leak
     with urllib.request.urlopen(f"http://127.0.0.1:{worker.metrics_port}/metrics", timeout=10) as reply:
         metrics_text = reply.read().decode()
     assert "streamtrain_events_trained_total" in metrics_text
+    serve_metrics = follow_deltas_with_the_workers_config(tmp_path / "good", sasl_kafka, topic_name)
     worker.signal()
-    assert worker.wait(timeout=60) == 0
+    assert worker.wait(timeout=120) == 0
     snapshot_files = [p for p in (tmp_path / "good" / "snapshots").rglob("*") if p.is_file()]
     assert any(p.name == "streamtrain.json" for p in snapshot_files)
-    for text, where in [(worker.output(), "the worker's log"), (metrics_text, "/metrics")]:
+    assert any(p.name == "manifest.json" for p in snapshot_files), "no base was exported"
+    logs = [(worker.output(), "the worker's log"), ((tmp_path / "good" / "serve.log").read_text(), "serve's log")]
+    for text, where in [*logs, (metrics_text, "/metrics"), (serve_metrics, "serve's /metrics")]:
         assert PASSWORD not in text, f"the password is in {where}"
     for path in snapshot_files:
         assert PASSWORD.encode() not in path.read_bytes(), f"the password is in {path}"
@@ -99,3 +108,29 @@ def test_sasl_login_from_a_file_trains_and_a_wrong_password_exits_5_without_leak
     output = refused.output()
     assert f"the Kafka brokers at {sasl_kafka.bootstrap_servers} refused the login" in output
     assert "Authentication failed" in output and wrong_password not in output
+
+
+def follow_deltas_with_the_workers_config(folder: Path, broker: KafkaBroker, topic: str) -> str:
+    """``streamtrain serve --config`` with nothing else: the bases' folder, the delta topic, the
+    brokers and the SASL login all come from the worker's YAML, with the environment overrides the
+    worker was started with. Its /metrics text once it applied a delta."""
+    port = free_port()
+    log = folder / "serve.log"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "streamtrain", "serve", "--config", str(folder / "worker.yaml"), "--port", str(port),
+         "--threads", "1", "--base-wait-seconds", "240"],
+        cwd=REPO, stdout=log.open("ab"), stderr=subprocess.STDOUT,
+        env={**os.environ, "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": broker.bootstrap_servers,
+             "STREAMTRAIN_KAFKA__TOPIC": topic},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while scrape(port).get("streamtrain_serve_deltas_applied_total", 0) < 1:
+            assert server.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"serve applied no delta over SASL: {log.read_text()[-3000:]}"
+            time.sleep(1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+            return reply.read().decode()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
