@@ -572,6 +572,11 @@ class DeliveryConfig(_Strict):
     def resolved_model_id(self, source_topic: str) -> str:
         return self.model_id or source_topic
 
+    def delta_retention_seconds(self) -> float:
+        """How far back deltas must reach: to the cut of the oldest base kept, ``keep_bases`` base
+        intervals ago, doubled for exports that run late; an hour at least."""
+        return max(3600.0, 2 * self.keep_bases * self.base_interval_seconds)
+
 
 class WorkerConfig(_Strict):
     kafka: KafkaConfig

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from confluent_kafka import Consumer, TopicPartition
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import SCHEMA
@@ -238,3 +238,8 @@ def test_deltas_every_second(kafka, topic_name, start_worker, live_producer, tmp
     gaps = np.diff([d.id.published_at_ms for d in deltas[:-1]]) / 1000  # the last is the stop's
     assert len(gaps) >= 3 and np.median(gaps) < 2.0, gaps
     assert all(d.rows for d in deltas[:-1])
+    # the worker created the topic keeping what reaches back to its oldest base: 3 kept, an hour apart, doubled
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers, "broker.address.family": "v4"})
+    topic = ConfigResource(ConfigResource.Type.TOPIC, f"{topic_name}.model")
+    settings = admin.describe_configs([topic])[topic].result(timeout=30)
+    assert settings["retention.ms"].value == str(2 * 3 * 3600 * 1000) and settings["segment.ms"].value == "3600000"

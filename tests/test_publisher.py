@@ -23,6 +23,7 @@ from streamtrain.config import ConfigError, parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.deltas import Assembler, Delta, DeltaId, DensePiece, RowPiece
 from streamtrain.delivery.publisher import (
+    PRUNE_SECONDS,
     RETRY_MAX_SECONDS,
     BaseExports,
     DeliveryFailed,
@@ -168,6 +169,32 @@ def test_the_directory_target_writes_the_parts_then_the_marker(tmp_path):
     (whole,) = [d for d in (assembler.add(p.read_bytes()) for p in sorted(folder.glob("part-*"))) if d]
     assert (whole.id.base_version, whole.id.sequence, whole.id.step) == (3, 7, 120)
     assert whole.rows[0].ids.tolist() == list(range(5)) and whole.dense[0].values.tolist() == [0, 1, 2, 3]
+
+
+def test_the_directory_target_removes_the_deltas_no_kept_base_needs(tmp_path):
+    """Bases kept: chain 3 from delta 5 on (its oldest), and one from delta 9; a base still being
+    written does not count. Deltas of chain 2, and of chain 3 before 5, go; the rest stay."""
+    bases = tmp_path / "serving"
+    for name, chain, sequence in [("base-000004", 3, 5), ("base-000005", 3, 9), ("base-000006.partial", 3, 1)]:
+        (bases / name).mkdir(parents=True)
+        (bases / name / "manifest.json").write_text(json.dumps({"chain": chain, "delta_sequence": sequence}))
+    clock = [0.0]
+    target = DirectoryTarget(str(tmp_path / "deltas"), str(bases), clock=lambda: clock[0])
+
+    def send(chain: int, sequence: int) -> None:
+        target.send(Delta(DeltaId("clicks", chain, sequence, sequence, 0, 0), [], []))
+
+    def left() -> list[str]:
+        return sorted(p.name for p in (tmp_path / "deltas").iterdir())
+
+    for chain, sequence in [(2, 8), (2, 9), (3, 3), (3, 4), (3, 5)]:
+        send(chain, sequence)  # the first send prunes (nothing yet to prune but its own older ones)
+    assert left() == ["delta-000002-000000009", "delta-000003-000000003", "delta-000003-000000004",
+                      "delta-000003-000000005"], "pruned more often than every PRUNE_SECONDS"  # fmt: skip
+    clock[0] += PRUNE_SECONDS
+    send(3, 6)
+    assert left() == ["delta-000003-000000005", "delta-000003-000000006"]
+    assert target.prune(str(tmp_path / "no-bases-yet")) == 0 and len(left()) == 2
 
 
 def test_the_base_export_is_called_with_the_agreed_flags(tmp_path, monkeypatch):

@@ -26,6 +26,7 @@ snapshot at a graceful stop. A failed export is logged and counted, never fatal.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import queue
@@ -48,6 +49,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from streamtrain.checkpoint import DeliveryPosition, StreamState
 from streamtrain.config import DeliveryConfig, KafkaConfig, WorkerConfig
+from streamtrain.delivery.artifact import MANIFEST
 from streamtrain.delivery.deltas import Delta, DeltaId, DensePiece, IdPiece, RowPiece, encode
 from streamtrain.lockstep import Question
 
@@ -63,6 +65,9 @@ STOP_MARGIN_SECONDS = 5.0
 # A directory target has no message limit; chunks of this size keep each file's write short.
 DIRECTORY_CHUNK_BYTES = 8 * 2**20
 _BASE = re.compile(r"^base-(\d+)(\.partial)?$")
+_DELTA = re.compile(r"^delta-(\d+)-(\d+)$")
+# How often a directory target looks for deltas no kept base needs.
+PRUNE_SECONDS = 60.0
 # The base exporter (streamtrain/delivery/artifact.py), run as a process of its own.
 EXPORT_COMMAND = (sys.executable, "-m", "streamtrain", "export")
 EXPORT_NICENESS = 10
@@ -174,11 +179,12 @@ class TopicTarget:
     topic's ``max.message.bytes``. The topic is created with one partition when missing; nothing
     connects before the first delta, so an unreachable broker never holds up the worker's start."""
 
-    def __init__(self, kafka: KafkaConfig, topic: str, key: str, timeout_seconds: float):
+    def __init__(self, kafka: KafkaConfig, topic: str, key: str, timeout_seconds: float, retention_seconds: float):
         self.kafka = kafka
         self.topic = topic
         self.key = key.encode()
         self.timeout = timeout_seconds
+        self.retention_ms = int(retention_seconds * 1000)
         self.producer: Any = None
         self.max_bytes = 0
 
@@ -189,10 +195,15 @@ class TopicTarget:
         admin = AdminClient(self.kafka.librdkafka())
         known = admin.list_topics(self.topic, timeout=self.timeout).topics.get(self.topic)
         if known is None or known.error is not None:
-            created = admin.create_topics([NewTopic(self.topic, num_partitions=1, replication_factor=-1)])[self.topic]
+            # Deltas older than the oldest kept base serve nobody: the topic keeps what reaches
+            # back to it, and rolls segments often enough for the broker to delete the rest.
+            settings = {"retention.ms": str(self.retention_ms), "segment.ms": str(min(self.retention_ms, 3_600_000))}
+            created = admin.create_topics(
+                [NewTopic(self.topic, num_partitions=1, replication_factor=-1, config=settings)]
+            )[self.topic]
             try:
                 created.result(timeout=self.timeout)
-                log.info("created the delta topic %s with one partition", self.topic)
+                log.info("created the delta topic %s: one partition, retention %d ms", self.topic, self.retention_ms)
             except Exception as error:
                 if "TOPIC_ALREADY_EXISTS" not in str(error):
                     raise
@@ -253,11 +264,15 @@ class TopicTarget:
 
 class DirectoryTarget:
     """``<directory>/delta-<chain>-<sequence>/part-<i>`` files (numbers zero-padded, so names sort),
-    then ``COMPLETE``: a reader takes a delta only once its marker is there."""
+    then ``COMPLETE``: a reader takes a delta only once its marker is there. With ``bases`` (the
+    bases' folder), the deltas no kept base needs are removed, at most every ``PRUNE_SECONDS``."""
 
-    def __init__(self, directory: str):
+    def __init__(self, directory: str, bases: str | None = None, clock: Callable[[], float] = time.monotonic):
         self.directory = directory.rstrip("/")
         self.fs, self.root = fsspec.core.url_to_fs(self.directory)
+        self.bases = bases
+        self.clock = clock
+        self.pruned_at = -float("inf")
 
     def send(self, delta: Delta) -> int:
         chunks = encode(
@@ -271,10 +286,46 @@ class DirectoryTarget:
             self.fs.pipe_file(f"{folder}/COMPLETE", b"")
         except OSError as error:
             raise DeliveryFailed(f"delta {delta.id.sequence} to {self.directory}: {error}") from None
+        if self.bases is not None and self.clock() - self.pruned_at >= PRUNE_SECONDS:
+            self.pruned_at = self.clock()
+            self.prune(self.bases)
         return sum(len(c) for c in chunks)
+
+    def prune(self, bases: str) -> int:
+        """Removes the deltas that no finished base in ``bases`` needs: those of older chains than
+        the oldest base's, and those of its chain before its ``delta_sequence``; returns how many.
+        A server on a base removed since then finds a gap, and loads the newest base."""
+        oldest = oldest_base_position(bases)
+        if oldest is None:
+            return 0
+        removed = 0
+        for entry in self.fs.ls(self.root, detail=False):
+            match = _DELTA.match(entry.rstrip("/").rsplit("/", 1)[-1])
+            if match and (int(match[1]), int(match[2])) < oldest:
+                try:
+                    self.fs.rm(entry, recursive=True)
+                    removed += 1
+                except OSError as error:  # a file system that refuses now may allow it at the next prune
+                    log.warning("could not remove the old delta %s: %s", entry, error)
+        return removed
 
     def close(self) -> None:
         pass
+
+
+def oldest_base_position(bases: str) -> tuple[int, int] | None:
+    """(chain, delta_sequence) of the oldest finished base in ``bases``: the first delta any kept
+    base needs. None if there is no finished base."""
+    fs, root = fsspec.core.url_to_fs(bases)
+    positions = []
+    if fs.exists(root):
+        for entry in fs.ls(root, detail=False):
+            match = _BASE.match(entry.rstrip("/").rsplit("/", 1)[-1])
+            if match and not match[2]:
+                with contextlib.suppress(OSError, ValueError, KeyError):  # removed by retention meanwhile
+                    manifest = json.loads(fs.cat_file(f"{entry.rstrip('/')}/{MANIFEST}"))
+                    positions.append((int(manifest["chain"]), int(manifest["delta_sequence"])))
+    return min(positions, default=None)
 
 
 def delta_folder(delta: DeltaId) -> str:
@@ -498,13 +549,14 @@ class Publisher:
         self.target: DeltaTarget | None = None
         if rank == 0:
             self.target = target or (
-                DirectoryTarget(delivery.directory)
+                DirectoryTarget(delivery.directory, delivery.resolved_path(checkpoint_path))
                 if delivery.directory
                 else TopicTarget(
                     config.kafka,
                     delivery.resolved_topic(config.kafka.topic),
                     self.model_id,
                     delivery.delivery_timeout_seconds,
+                    delivery.delta_retention_seconds(),
                 )
             )
         self.cuts: queue.Queue[_Cut | None] = queue.Queue(maxsize=1)
