@@ -7,6 +7,8 @@ import itertools
 import json
 import os
 import platform
+import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -204,6 +206,17 @@ def wait_until_ready(port: int, process, timeout: float = 180.0) -> None:
             pass
         time.sleep(0.25)
     raise RuntimeError(f"the worker was not ready within {timeout:.0f}s (exit code {process.poll()})")
+
+
+def stop_worker(process: subprocess.Popen, grace_seconds: float) -> int | None:
+    """Stops a benchmark's worker as an operator would (SIGTERM: a final snapshot, delta and base),
+    killing it past ``grace_seconds``; its exit code."""
+    process.send_signal(signal.SIGTERM)
+    try:
+        return process.wait(grace_seconds)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        return process.wait(10)
 
 
 def throughput(step_wall: np.ndarray, step_events: np.ndarray, warm_up_seconds: float) -> dict:

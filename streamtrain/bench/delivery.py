@@ -28,7 +28,6 @@ Goals: servable p99 <= 5 s at 50% load; throughput ratio >= 0.9.
 from __future__ import annotations
 
 import argparse
-import signal
 import subprocess
 import sys
 import tempfile
@@ -40,7 +39,16 @@ from pathlib import Path
 
 import numpy as np
 
-from streamtrain.bench.common import SCHEMA, cdf_points, free_port_pair, machine, quantiles, rate_text, wait_until_ready
+from streamtrain.bench.common import (
+    SCHEMA,
+    cdf_points,
+    free_port_pair,
+    machine,
+    quantiles,
+    rate_text,
+    stop_worker,
+    wait_until_ready,
+)
 from streamtrain.bench.e2e import WORLD_SIZE, worker_environment, worker_leg
 from streamtrain.bench.freshness import _send_paced, encoded_pool
 from streamtrain.bench.record import RunRecord
@@ -275,12 +283,7 @@ def _live(
         produced_seconds = time.time() - started
         time.sleep(3.0 + 2 * DELTA_INTERVAL_SECONDS)  # what was sent last is trained, and in a delta
     finally:
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(120)
-        except subprocess.TimeoutExpired:
-            worker.kill()
-            worker.wait(10)
+        stop_worker(worker, 120)
         server.stop()
     if worker.returncode:
         raise RuntimeError(

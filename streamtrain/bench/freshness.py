@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from streamtrain.bench.common import (
     machine,
     quantiles,
     rate_text,
+    stop_worker,
     wait_until_ready,
 )
 from streamtrain.bench.e2e import WORLD_SIZE, _children, worker_environment, worker_leg
@@ -206,12 +206,7 @@ def _at_rate(
             cores = {k: (sum(cpu_seconds(p) for p in v) - cpu_before[k]) / produced_seconds for k, v in pids.items()}
             time.sleep(3.0)  # what was sent last is trained
         finally:
-            worker.send_signal(signal.SIGTERM)
-            try:
-                worker.wait(90)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait(10)
+            stop_worker(worker, 90)
         if worker.returncode:
             raise RuntimeError(
                 f"the worker exited with {worker.returncode}:\n"
