@@ -278,7 +278,19 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     server = ScoringServer(model, deltas, args.host, args.port, args.base_wait_seconds, args.base_wait_seconds)
-    server.start()
+    try:
+        server.start()
+    except TimeoutError as error:  # no base to serve yet
+        print(f"streamtrain: {error}", file=sys.stderr)
+        return 1
+    except Exception as error:
+        from confluent_kafka import KafkaException
+
+        if not isinstance(error, KafkaException):
+            raise
+        # the same exit code as a worker whose brokers do not answer: an orchestrator retries both
+        print(f"streamtrain: the delta topic cannot be read: {error.args[0]}", file=sys.stderr)
+        return 4
     print(f"serving {model} on http://{args.host}:{server.port} (POST /score, /readyz, /metrics)", flush=True)
     stop.wait()
     server.stop()

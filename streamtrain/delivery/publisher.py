@@ -52,6 +52,7 @@ from streamtrain.config import DeliveryConfig, KafkaConfig, WorkerConfig
 from streamtrain.delivery.artifact import MANIFEST
 from streamtrain.delivery.deltas import Delta, DeltaId, DensePiece, IdPiece, RowPiece, encode
 from streamtrain.lockstep import Question
+from streamtrain.source import KAFKA_LOG
 
 if TYPE_CHECKING:
     from streamtrain.idspace import IdSpace
@@ -192,7 +193,7 @@ class TopicTarget:
         from confluent_kafka import Producer
         from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-        admin = AdminClient(self.kafka.librdkafka())
+        admin = AdminClient({**self.kafka.librdkafka(), "logger": KAFKA_LOG})
         known = admin.list_topics(self.topic, timeout=self.timeout).topics.get(self.topic)
         if known is None or known.error is not None:
             # Deltas older than the oldest kept base serve nobody: the topic keeps what reaches
@@ -213,6 +214,7 @@ class TopicTarget:
         self.producer = Producer(
             {
                 **self.kafka.librdkafka(),
+                "logger": KAFKA_LOG,
                 "enable.idempotence": True,
                 "acks": "all",
                 "message.timeout.ms": int(self.timeout * 1000),

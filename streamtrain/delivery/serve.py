@@ -44,7 +44,7 @@ from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.artifact import Manifest, ServableModel, read_current, read_manifest
 from streamtrain.delivery.deltas import Assembler, Delta, DeltaFormatError, DeltaId
 from streamtrain.registry import schema_source
-from streamtrain.source import RawEvent
+from streamtrain.source import KAFKA_LOG, RawEvent
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,7 @@ class KafkaDeltas:
                 "fetch.wait.max.ms": 50,
                 # a delta is chunked below the topic's max.message.bytes; a fetch holds many chunks
                 "fetch.max.bytes": 64 * 2**20,
+                "logger": KAFKA_LOG,
                 **(client_config or {}),
             }
         )
