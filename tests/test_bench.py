@@ -135,7 +135,7 @@ def test_delivery_benchmark_reports_servable_latency_the_throughput_ratio_and_by
     assert live["deltas_applied"] >= 2 and live["servable"]["counted_events"] > 0
     # served no sooner than trained: a delta is cut after the step it covers
     assert 0 < saved["servable_p50_seconds"] <= saved["servable_p99_seconds"] <= saved["servable_max_seconds"]
-    assert len(saved["legs"]["with"]) == len(saved["legs"]["without"]) == 2
+    assert len(saved["legs"]["with"]) == len(saved["legs"]["without"]) == 1  # one round when quick
     assert saved["throughput_ratio"] == saved["with_events_per_second"] / saved["without_events_per_second"] > 0
     assert saved["delta_bytes_per_second"] > 0 and saved["snapshot_bytes"] > 0 and live["artifact_bytes"] > 0
     assert re.search(r"servable p99 [\d.]+s: goal <= 5 s (met|NOT met)", printed)

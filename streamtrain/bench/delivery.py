@@ -105,8 +105,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
 
     if args.rounds < 2:
         raise SystemExit("streamtrain bench delivery: --rounds must be at least 2 (alternating legs of each)")
-    if args.quick:
-        max_events, seconds, warm_up, leg_events, leg_warm_up = 15_000, 6.0, 2.0, 10_000, 0.5
+    rounds = args.rounds
+    if args.quick:  # proves it runs, judges nothing: one leg each, so four worker starts, not six
+        max_events, seconds, warm_up, leg_events, leg_warm_up, rounds = 15_000, 6.0, 2.0, 10_000, 0.5, 1
     else:
         max_events, seconds, warm_up, leg_events, leg_warm_up = (
             args.max_events,
@@ -140,10 +141,10 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         if live["servable"]["counted_events"]:
             s = live["servable"]
             progress(f"  servable p50 {s['p50']:.3f}s, p99 {s['p99']:.3f}s, max {s['max']:.3f}s")
-        progress(f"throughput legs: {leg_events:,} events each, {args.rounds} rounds of without / with deltas")
+        progress(f"throughput legs: {leg_events:,} events each, {rounds} round(s) of without / with deltas")
         produce(bootstrap, "delivery-legs", leg_events, partitions=4, seed=7, schema_path=SCHEMA)
         legs: dict[str, list[dict]] = {"without": [], "with": []}
-        for round_ in range(args.rounds):
+        for round_ in range(rounds):
             for name in ("without", "with"):
                 leg = worker_leg(
                     args.config,
