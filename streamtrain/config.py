@@ -389,6 +389,14 @@ def default_tasks(features: FeaturesConfig) -> list[TaskConfig]:
     return [TaskConfig(name=features.label, label=features.label)]
 
 
+class TargetMatchConfig(_Strict):
+    """A candidate feature (the ad's category) and a history feature (the user's recent categories),
+    both tables in features.tables, whose ids are compared (streamtrain/target_match.py)."""
+
+    candidate: str = Field(min_length=1)
+    history: str = Field(min_length=1)
+
+
 class ModelConfig(_Strict):
     dense_arch_layer_sizes: list[int] = [64, 16]
     # Each task's tower over the interaction (or, with mmoe, over its mix of experts).
@@ -402,6 +410,9 @@ class ModelConfig(_Strict):
     multitask: Literal["shared_bottom", "mmoe", "dbmtl"] = "shared_bottom"
     num_experts: int = Field(default=4, gt=0)
     expert_layer_sizes: list[int] = Field(default=[64], min_length=1)
+    # Per pair, how many of the history's ids equal the candidate's, read by the dense arch beside
+    # the dense features: target attention's exact-match kernel (streamtrain/target_match.py).
+    target_matches: list[TargetMatchConfig] = []
     sparse_optimizer: Literal["row_wise_adagrad", "adagrad", "sgd"] = "row_wise_adagrad"
     sparse_learning_rate: float = Field(default=0.05, gt=0)
     dense_learning_rate: float = Field(default=0.001, gt=0)
@@ -616,6 +627,34 @@ class WorkerConfig(_Strict):
             raise ValueError(
                 "features.label is the single-task form: with model.tasks, each task names its label; remove one"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _target_matches_compare_like_ids(self) -> WorkerConfig:
+        tables = {t.name: t for t in self.features.tables}
+        for i, match in enumerate(self.model.target_matches):
+            where = f"model.target_matches.{i}"
+            for role in ("candidate", "history"):
+                name = getattr(match, role)
+                if name not in tables:
+                    raise ValueError(
+                        f"{where}.{role}: {name!r} is not in features.tables; name one of {sorted(tables)}"
+                    )
+            if match.candidate == match.history:
+                raise ValueError(f"{where}: candidate and history are both {match.candidate!r}; name two features")
+            candidate, history = tables[match.candidate], tables[match.history]
+            owners = {t.shares_table_with or t.name for t in (candidate, history)}
+            if len(owners) == 1:  # one table: a row is one id for both
+                continue
+            # Managed rows are given per table as ids arrive, so equal rows of two tables are unrelated ids.
+            same_mapping = candidate.id_mapping == history.id_mapping != "managed"
+            if not same_mapping or candidate.num_embeddings != history.num_embeddings:
+                raise ValueError(
+                    f"{where}: {match.candidate!r} ({candidate.id_mapping}, {candidate.num_embeddings} rows) and "
+                    f"{match.history!r} ({history.id_mapping}, {history.num_embeddings} rows) map ids to rows "
+                    f"differently, so equal rows would not mean equal ids; give them the same num_embeddings and "
+                    f"id_mapping (not managed), or set features.tables: shares_table_with on {match.history!r}"
+                )
         return self
 
     def model_record(self) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""What is trained: a DLRM over the configured tables and dense features, with a head per task."""
+"""What is trained: a DLRM over the configured tables and dense features (and the target matches'
+counts, streamtrain/target_match.py), with a head per task."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torchrec.models.dlrm import DLRM
 from streamtrain.config import FeaturesConfig, ModelConfig, TaskConfig
 from streamtrain.decode import ClickBatch
 from streamtrain.heads import HEADS, architecture, interaction_size
+from streamtrain.target_match import TargetMatchDLRM
 
 _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 
@@ -44,14 +46,18 @@ class ClickModel(nn.Module):
         self, features: FeaturesConfig, model: ModelConfig, tasks: list[TaskConfig], dense_device: torch.device
     ):
         super().__init__()
-        self.dlrm = DLRM(
-            embedding_bag_collection=EmbeddingBagCollection(
+        dlrm_arguments = {
+            "embedding_bag_collection": EmbeddingBagCollection(
                 tables=embedding_configs(features), device=torch.device("meta")
             ),
-            dense_in_features=len(features.dense),
-            dense_arch_layer_sizes=list(model.dense_arch_layer_sizes),
-            over_arch_layer_sizes=list(model.over_arch_layer_sizes),
-            dense_device=dense_device,
+            "dense_in_features": len(features.dense),
+            "dense_arch_layer_sizes": list(model.dense_arch_layer_sizes),
+            "over_arch_layer_sizes": list(model.over_arch_layer_sizes),
+            "dense_device": dense_device,
+        }
+        # Without target matches, DLRM itself: its forward, and every snapshot made before them.
+        self.dlrm = (
+            TargetMatchDLRM(model.target_matches, **dlrm_arguments) if model.target_matches else DLRM(**dlrm_arguments)
         )
         if architecture(tasks, model) != "dlrm":
             # DLRM's forward ends in over_arch(interaction): the heads take its place, and the

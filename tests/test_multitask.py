@@ -272,7 +272,9 @@ def test_dbmtl_trains_both_heads_on_two_ranks_with_each_tasks_quality(kafka, top
 
     produce(kafka.bootstrap_servers, topic_name, 8_000, partitions=4, seed=10, schema_path=SCHEMA)
     config = tmp_path / "dbmtl.yaml"
-    config.write_text(yaml.safe_dump(raw_config(DBMTL_TASKS, multitask="dbmtl")))
+    # with the reference config's target match: each rank counts matches in its own batches
+    matches = [{"candidate": "cate_id", "history": "recent_cate_ids"}]
+    config.write_text(yaml.safe_dump(raw_config(DBMTL_TASKS, multitask="dbmtl", target_matches=matches)))
     # the last --config wins: the ranks start with the small config's, then this one
     ranks = start_ranks(topic_name, 2, "--until-end", "--config", str(config))
     assert [r.wait(timeout=180) for r in ranks] == [0, 0], ranks[0].output()[-3000:] + ranks[1].output()[-3000:]
