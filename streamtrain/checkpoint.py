@@ -121,7 +121,8 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
     holds: the table's field, that field's Avro kind (strings are always hashed) and the id
     mapping. A table restored under another mapping has the right shape and silently wrong rows,
     so a changed mapping is refused like a changed shape (``--allow-partial-restore`` overrides).
-    The table order is kept too: it orders the interaction features the over arch reads. The heads:
+    The table order is kept too: it orders the interaction features the over arch reads. The target
+    matches (each a dense input). The heads:
     the architecture above the interaction, the tasks (their towers are named after them), and
     mmoe's experts; not the labels, loss weights or which labels are required.
 
@@ -150,6 +151,13 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
         "over_arch_layer_sizes": list(config.model.over_arch_layer_sizes),
         "sparse_optimizer": config.model.sparse_optimizer,
         "heads": _heads(config),
+        # each match adds a dense input, widening the dense arch's first layer; only when set, so
+        # that fingerprints written before matches existed still match
+        **(
+            {"target_matches": [[m.candidate, m.history] for m in config.model.target_matches]}
+            if config.model.target_matches
+            else {}
+        ),
     }
 
 

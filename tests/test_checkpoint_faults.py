@@ -97,6 +97,11 @@ SHAPING = {
     "field": ("features.tables.2.field", "brand", "tables.cate_id.field: 'cate_id'"),
     "optimizer": ("model.sparse_optimizer", "sgd", "sparse_optimizer: 'row_wise_adagrad' in the snapshot, 'sgd'"),
     "over arch": ("model.over_arch_layer_sizes", [16, 1], "over_arch_layer_sizes"),
+    "target match": (
+        "model.target_matches",
+        [{"candidate": "cate_id", "history": "recent_cate_ids"}],
+        "target_matches: None in the snapshot, [['cate_id', 'recent_cate_ids']] here",
+    ),
 }
 
 
