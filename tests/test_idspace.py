@@ -244,8 +244,10 @@ def test_the_cut_tells_deltas_each_rows_raw_id_and_what_was_evicted_since_a_step
     assert 0 < len(since_first) <= len(since_start)  # step 2 evicted; step 1 filled free rows
     assert not set(since_first.ids.tolist()) & set(raw_ids.tolist())  # evicted, and not back
     assert len(id_space.evicted_since("user_id", 2)) == 0
+    at_cut = id_space.state_dict()
     id_space.in_flight.clear()
-    id_space.load_state_dict(id_space.state_dict())  # as a restore does
+    id_space.load_state_dict(at_cut)  # as a restore does
+    assert id_space.step == 2
     assert id_space.evicted_since("user_id", 1) is None  # the log starts afresh at the cut
     assert len(id_space.evicted_since("user_id", 2)) == 0
 
