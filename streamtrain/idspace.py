@@ -375,7 +375,7 @@ class TableIds:
 
     def live(self, arrays: TableArrays | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows holding live ids, ascending, and their raw ids: in this map, or in ``arrays``."""
-        arrays = arrays or self.arrays
+        arrays = self.arrays if arrays is None else arrays
         rows = np.flatnonzero(arrays.in_use)
         return torch.from_numpy(rows), torch.from_numpy(arrays.ids[rows].copy())
 
@@ -394,7 +394,7 @@ class TableIds:
     def state_dict(self, step: int, arrays: TableArrays | None = None) -> dict[str, torch.Tensor]:
         """The map (or ``arrays``, the map at ``step``) in the snapshot's format, unchanged since
         the map kept every array per row at int64: arrays its policy does not keep are zeros."""
-        arrays = arrays or self.arrays
+        arrays = self.arrays if arrays is None else arrays
         n = self.capacity
         zeros = np.zeros(n, dtype=np.int64)
         if arrays.last_step is not None:

@@ -76,6 +76,7 @@ def test_a_managed_table_is_sized_by_rows():
             "ttl_steps is only read with policy: ttl",
         ),
         ({"id_mapping": "managed", "rows": 10, "admission": {}}, "set exactly one of min_count"),
+        ({"id_mapping": "managed", "rows": 10, "admission": {"min_count": 70_000}}, "less than or equal to 65535"),
         (
             {"id_mapping": "managed", "rows": 10, "sharding_types": ["data_parallel"]},
             "a managed table cannot be data_parallel",
