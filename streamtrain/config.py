@@ -173,9 +173,9 @@ class EvictionConfig(_Strict):
 class AdmissionConfig(_Strict):
     """Which new ids get a row of a managed table; the others share its unknown row meanwhile."""
 
-    # An id is admitted once it has been seen this many times (counted in a fixed-size sketch,
-    # halved every eviction interval).
-    min_count: int | None = Field(default=None, gt=0)
+    # An id is admitted once it has been seen this many times (counted in a fixed-size sketch of
+    # uint16 cells, which saturate at 65,535, halved every eviction interval).
+    min_count: int | None = Field(default=None, gt=0, le=65_535)
     # Each sighting of a new id admits it with this probability (the same draw on every rank).
     probability: float | None = Field(default=None, gt=0, le=1)
 

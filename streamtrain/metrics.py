@@ -224,7 +224,7 @@ class IdSpaceMetrics:
         )
         self.memory_bytes = Gauge(
             "streamtrain_idspace_memory_bytes",
-            "Host memory of a managed table's mapping (both copies: the one ahead and the trained one).",
+            "Host memory of a managed table's mapping: its arrays and index, and the undo of the steps in flight.",
             ["table"],
             registry=registry,
         )

@@ -76,6 +76,7 @@ def test_a_managed_table_is_sized_by_rows():
             "ttl_steps is only read with policy: ttl",
         ),
         ({"id_mapping": "managed", "rows": 10, "admission": {}}, "set exactly one of min_count"),
+        ({"id_mapping": "managed", "rows": 10, "admission": {"min_count": 70_000}}, "less than or equal to 65535"),
         (
             {"id_mapping": "managed", "rows": 10, "sharding_types": ["data_parallel"]},
             "a managed table cannot be data_parallel",
@@ -120,15 +121,22 @@ def map_once(ids: TableIds, values: list[int], step: int, now_ms: int = 0) -> Ta
     return result
 
 
+def row_of(ids: TableIds, raw_id: int) -> int:
+    return int(ids.find(np.array([raw_id], dtype=np.int64))[0])
+
+
 def assert_collision_free(ids: TableIds, given: torch.Tensor, step: TableStep) -> None:
     rows, raw = ids.live()
     assert len(set(raw.tolist())) == len(raw), "a live id holds two rows"
-    assert ids.index == dict(zip(raw.tolist(), rows.tolist(), strict=True))
+    assert ids.find(raw.numpy()).tolist() == rows.tolist(), "the index disagrees with the rows"
+    assert len(ids.index) == ids.occupied == len(rows)
+    gone = torch.cat([step.evicted.ids, step.expired.ids])
+    assert (ids.find(gone[~torch.isin(gone, raw)].numpy()) == -1).all(), "an evicted id still finds a row"
     holders: dict[int, set[int]] = defaultdict(set)
     for raw_id, row in zip(given.tolist(), step.rows.tolist(), strict=True):
         holders[row].add(raw_id)
         if row != ids.unknown_row:
-            assert int(ids.ids[row]) == raw_id
+            assert int(ids.arrays.ids[row]) == raw_id
     assert all(len(h) == 1 for row, h in holders.items() if row != ids.unknown_row), "two ids share a row"
     assert torch.equal(step.unknown, step.rows == ids.unknown_row)
 
@@ -139,7 +147,7 @@ def test_lru_evicts_the_id_seen_longest_ago():
         map_once(ids, values, step)
     evicted = map_once(ids, [4], 5).evicted
     assert evicted.ids.tolist() == [2]
-    assert ids.index[4] == int(evicted.rows[0])
+    assert row_of(ids, 4) == int(evicted.rows[0])
 
 
 def test_lfu_evicts_the_id_seen_least_often():
@@ -152,7 +160,7 @@ def test_lfu_evicts_the_id_seen_least_often():
 def test_ttl_frees_the_rows_of_ids_unseen_past_the_horizon_in_steps_or_event_time():
     ids = ids_table(rows=10, eviction={"policy": "ttl", "ttl_steps": 2, "interval_steps": 1})
     expired = [map_once(ids, values, step).expired.ids.tolist() for step, values in enumerate([[1], [2], [2], [2]], 1)]
-    assert expired == [[], [], [], [1]] and 1 not in ids.index
+    assert expired == [[], [], [], [1]] and row_of(ids, 1) == -1
     timed = ids_table(rows=10, eviction={"policy": "ttl", "ttl_seconds": 10, "interval_steps": 1})
     map_once(timed, [1], 1, now_ms=0)
     assert map_once(timed, [2], 2, now_ms=9_000).expired.ids.tolist() == []
@@ -177,7 +185,7 @@ def test_more_new_ids_than_rows_in_one_step_read_the_unknown_row_and_live_ids_ke
     ids = ids_table(rows=4)
     map_once(ids, [1, 2], 1)
     result = map_once(ids, [1, 2, *range(10, 20)], 2)
-    assert result.rows[:2].tolist() == [ids.index[1], ids.index[2]]  # seen this step: never a victim
+    assert result.rows[:2].tolist() == [row_of(ids, 1), row_of(ids, 2)]  # seen this step: never a victim
     assert int((~result.unknown).sum()) == 3 and len(result.evicted) == 0
 
 
@@ -191,7 +199,30 @@ def test_no_two_ids_share_a_row_under_heavy_churn(policy):
         values = (rng.zipf(1.3, size=int(rng.integers(0, 120))) % 5000).tolist()
         result = map_once(ids, values, step, now_ms=step * 1000)
         evicted += len(result.evicted) + len(result.expired)
-    assert evicted > 100 and len(ids.index) > 0
+    assert evicted > 100 and ids.occupied > 0
+
+
+@pytest.mark.parametrize(
+    "section",
+    [
+        {"eviction": {"policy": "lfu", "interval_steps": 2}, "admission": {"min_count": 2}},
+        {"eviction": {"policy": "ttl", "ttl_steps": 3, "interval_steps": 2}},
+        {"eviction": {"policy": "ttl", "ttl_seconds": 1, "interval_steps": 1}, "admission": {"min_count": 2}},
+    ],
+)
+def test_the_map_at_the_cut_undoes_the_steps_in_flight_across_halvings_and_expiry(section):
+    """One map kept ahead, less the undo of its newest steps, is the map a second one that stopped
+    there holds: every write, halving (lfu counts, the sketch) and expiry is taken back exactly."""
+    rng = np.random.default_rng(3)
+    tables = [table(id_mapping="managed", rows=30, **section)]
+    ahead, behind = IdMapping(tables), IdMapping(tables)
+    # a popular head (zipf) and a churning tail (uniform over many ids)
+    steps = [torch.from_numpy(np.concatenate((rng.zipf(1.5, 30) % 300, rng.integers(0, 3000, 30)))) for _ in range(60)]
+    in_flight = [ahead.update({"t": values}, now_ms=700 * at) for at, values in enumerate(steps, 1)][-2:]
+    for at, values in enumerate(steps[:-2], 1):
+        behind.update({"t": values}, now_ms=700 * at)
+    assert sum(len(s["t"].evicted) + len(s["t"].expired) for s in in_flight) > 0
+    assert_same_state(ahead.state_dict(in_flight), behind.state_dict())
 
 
 def test_the_cut_tells_deltas_each_rows_raw_id_and_what_was_evicted_since_a_step():
@@ -207,16 +238,17 @@ def test_the_cut_tells_deltas_each_rows_raw_id_and_what_was_evicted_since_a_step
     assert id_space.step == 2
     assert_same_state(id_space.state_dict(), oracle(steps[:2], {"user_id": 40}))
     rows, raw_ids = id_space.raw_ids("user_id")
-    table = id_space.at_cut.tables["user_id"]
-    assert rows.tolist() == list(range(39)) and raw_ids.tolist() == [int(table.ids[r]) for r in rows]
-    assert table.index == dict(zip(raw_ids.tolist(), rows.tolist(), strict=True))
+    at_cut = id_space.state_dict()["user_id"]
+    assert rows.tolist() == list(range(39)) and raw_ids.tolist() == [int(at_cut["ids"][r]) for r in rows]
     since_first, since_start = id_space.evicted_since("user_id", 1), id_space.evicted_since("user_id", 0)
     assert since_first is not None and since_start is not None
     assert 0 < len(since_first) <= len(since_start)  # step 2 evicted; step 1 filled free rows
     assert not set(since_first.ids.tolist()) & set(raw_ids.tolist())  # evicted, and not back
     assert len(id_space.evicted_since("user_id", 2)) == 0
+    at_cut = id_space.state_dict()
     id_space.in_flight.clear()
-    id_space.load_state_dict(id_space.state_dict())  # as a restore does
+    id_space.load_state_dict(at_cut)  # as a restore does
+    assert id_space.step == 2
     assert id_space.evicted_since("user_id", 1) is None  # the log starts afresh at the cut
     assert len(id_space.evicted_since("user_id", 2)) == 0
 
@@ -297,7 +329,7 @@ def _consistency_rank(rank: int, world_size: int, port: int, out: str, optimizer
             shard.untyped_storage().data_ptr() == resetter.shards["adgroup_id"][0].weights.untyped_storage().data_ptr()
         )
     torch.save(
-        {"pairs": pairs, "at_cut": id_space.state_dict(), "ahead": id_space.ahead.state_dict(), "checked": checked},
+        {"pairs": pairs, "at_cut": id_space.state_dict(), "ahead": id_space.mapping.state_dict(), "checked": checked},
         f"{out}/rank{rank}.pt",
     )
     leave_spawned_rank()
@@ -365,7 +397,7 @@ def _snapshot_rank(rank: int, world_size: int, port: int, out: str, phase: str) 
                 # as the worker does, between two steps, while later batches are already mapped
                 assert len(trainer.id_space.in_flight) > 0
                 checkpointer.save(StreamState(step=result.step))
-                saved = {"mapped_ahead": trainer.id_space.ahead.step}
+                saved = {"mapped_ahead": trainer.id_space.mapping.step}
     else:
         restored = checkpointer.restore()
         assert restored is not None and restored.step == SNAPSHOT_STEP

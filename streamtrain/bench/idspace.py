@@ -308,9 +308,9 @@ def _state_after_a_step(config: WorkerConfig, env: Any, events: list[RawEvent]) 
 
 def state_bytes(trainer: Trainer) -> int:
     """Bytes ``trainer`` holds on this rank for its model: the model's state (tables, dense layers),
-    the optimizer's, and a managed id space's maps as they sit in memory (both copies, index
-    included) once every row holds an id, as the run soon reaches: more than a snapshot holds."""
-    maps = trainer.id_space.memory_bytes(full=True) if trainer.id_space is not None else 0
+    the optimizer's, and a managed id space's maps as they sit in memory (arrays and index, made
+    at the size they have once every row holds an id)."""
+    maps = trainer.id_space.memory_bytes() if trainer.id_space is not None else 0
     return _tensor_bytes(trainer.model.state_dict()) + _tensor_bytes(trainer.optimizer.state_dict()) + maps
 
 
