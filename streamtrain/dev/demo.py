@@ -38,6 +38,9 @@ LOAD_FRACTION = 0.5
 # Where the backlog's measured rate starts and ends (shares of the backlog): before, the worker warms
 # up; after, it waits for the last partial batch.
 CALIBRATION_WINDOW = (0.25, 0.9)
+# ... or how long it lasts at most: on a 2-core machine shared with other jobs the worker trained
+# 700 events/s, and the whole window would have kept a newcomer waiting for four minutes.
+CALIBRATION_SECONDS = 30.0
 CALIBRATION_TIMEOUT_SECONDS = 600.0
 FALLBACK_RATE = 2_000.0  # if the backlog's rate could not be measured
 BACKLOG_TIMEOUT_SECONDS = 300.0
@@ -140,10 +143,12 @@ def calibrate(
     timeout: float = CALIBRATION_TIMEOUT_SECONDS,
     interval: float = 0.5,
     clock: Callable[[], float] = time.monotonic,
+    window_seconds: float = CALIBRATION_SECONDS,
 ) -> float | None:
     """The rate (events/s) at which the worker trains the backlog, between the shares of it in
-    ``CALIBRATION_WINDOW``, from ``trained()`` (events trained so far; None while the worker does not
-    answer); None if it did not get through the window within ``timeout`` seconds."""
+    ``CALIBRATION_WINDOW`` or for ``window_seconds`` from the first, whichever ends sooner, from
+    ``trained()`` (events trained so far; None while the worker does not answer); None if it did not
+    reach the window within ``timeout`` seconds."""
     low, high = (share * backlog for share in CALIBRATION_WINDOW)
     started = clock()
     first: tuple[float, float] | None = None
@@ -153,7 +158,7 @@ def calibrate(
             continue
         if first is None and count >= low:
             first = (clock(), count)
-        elif first is not None and count >= high:
+        elif first is not None and (count >= high or clock() - first[0] >= window_seconds):
             seconds = clock() - first[0]
             return (count - first[1]) / seconds if seconds > 0 else None
     return None
