@@ -56,3 +56,20 @@ def test_calibration_on_a_slow_machine_ends_after_its_seconds_not_at_the_end_of_
     assert rate is not None and abs(rate - 700.0) / 700.0 < 0.05
     reached_window = 5.0 + (CALIBRATION_WINDOW[0] * backlog - 500.0) / 700.0
     assert worker.now <= reached_window + CALIBRATION_SECONDS + 1.0
+
+
+def test_calibration_takes_what_the_worker_sustains_not_a_burst_inside_the_window():
+    worker = _Worker(rate=1_000.0, slow_until=5.0)
+    backlog = 200_000
+    at_window = 5.0 + (CALIBRATION_WINDOW[0] * backlog - 500.0) / 1_000.0
+    trained = worker.trained
+
+    def with_a_burst() -> float | None:
+        # Five seconds at 16x the rate as the window opens, as when the machine's other jobs paused.
+        count = trained()
+        if count is None or worker.now < at_window:
+            return count
+        return count + 15_000.0 * min(worker.now - at_window, 5.0)
+
+    rate = calibrate(with_a_burst, backlog, _Ticks(worker), interval=0.5, clock=worker.clock)
+    assert rate is not None and abs(rate - 1_000.0) / 1_000.0 < 0.15
