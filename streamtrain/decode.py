@@ -57,7 +57,7 @@ from streamtrain.avro_program import REASONS, fnv1a64
 from streamtrain.config import FeaturesConfig, TableConfig, TaskConfig, default_tasks
 from streamtrain.registry import BadWriterSchema
 from streamtrain.schema import field_schema, load_schema, without_logical_types
-from streamtrain.source import EventBatch, RawEvent
+from streamtrain.source import EventBatch, RawEvent, partitions_in
 
 log = logging.getLogger(__name__)
 
@@ -600,7 +600,7 @@ def _spans(events: EventBatch, kept: np.ndarray) -> dict[int, PartitionSpan]:
     One Python step per partition, not per event."""
     partitions, offsets = events.partitions, events.offsets
     spans = {}
-    for p in np.unique(partitions).tolist():
+    for p in partitions_in(partitions):
         mine = partitions == p
         spans[p] = PartitionSpan(int((mine & kept).sum()), int(offsets[mine].max()) + 1)
     return spans

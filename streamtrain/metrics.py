@@ -122,18 +122,45 @@ class ProgressiveQuality:
 
 class TaskQualities:
     """A ``ProgressiveQuality`` per task, fed from the model's logits and the batch's labels: [B]
-    with one task, [B, tasks] with several, column t for task t."""
+    with one task, [B, tasks] with several, column t for task t.
+
+    ``add`` is called on the training thread every step, and only keeps the arrays: they are folded
+    into the figures ``FOLD_EVENTS`` at a time, or when the figures are read. A fold costs about
+    100 µs per task whatever its size (its 10,000 lifetime bins), which at 1,024 events a step was
+    half the per-step metrics' cost."""
+
+    FOLD_EVENTS = 16_384
 
     def __init__(self, tasks: Sequence[str], window: int):
         self.by_task = {name: ProgressiveQuality(window) for name in tasks}
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []
+        self._pending_events = 0
+        self._lock = threading.Lock()
 
     def add(self, logits: np.ndarray, labels: np.ndarray) -> None:
-        for t, quality in enumerate(self.by_task.values()):
-            quality.add(logits if logits.ndim == 1 else logits[:, t], labels if labels.ndim == 1 else labels[:, t])
+        """Scores (as logits) given before training on events with these labels; the arrays must not
+        change afterwards."""
+        with self._lock:
+            self._pending.append((logits, labels))
+            self._pending_events += len(labels)
+            if self._pending_events < self.FOLD_EVENTS:
+                return
+        self._fold()
 
     def compute(self) -> dict[str, dict[str, dict[str, float]]]:
         """task -> window -> figure, as ``ProgressiveQuality.compute`` gives them."""
+        self._fold()
         return {name: quality.compute() for name, quality in self.by_task.items()}
+
+    def _fold(self) -> None:
+        with self._lock:
+            pending, self._pending, self._pending_events = self._pending, [], 0
+        if not pending:
+            return
+        logits = np.concatenate([scores for scores, _labels in pending])
+        labels = np.concatenate([known for _scores, known in pending])
+        for t, quality in enumerate(self.by_task.values()):
+            quality.add(logits if logits.ndim == 1 else logits[:, t], labels if labels.ndim == 1 else labels[:, t])
 
 
 class BulkHistogram:

@@ -129,6 +129,12 @@ class EventBatch:
 NO_EVENTS = EventBatch([], np.zeros(0, np.int64), np.zeros(0, np.int64), [])
 
 
+def partitions_in(partitions: np.ndarray) -> list[int]:
+    """The distinct partition numbers, ascending: a count per number instead of a sort, a third of
+    the cost at a batch's size, and paid several times per batch."""
+    return np.flatnonzero(np.bincount(partitions)).tolist()
+
+
 class KafkaSource:
     """Reads the partitions ``p`` of ``config.topic`` with ``p % world_size == rank``.
 
@@ -337,7 +343,7 @@ class KafkaSource:
         events = EventBatch.of_messages(messages)
         if self.until_end and len(events):
             events = self._before_end(events)
-        for partition in np.unique(events.partitions).tolist():
+        for partition in partitions_in(events.partitions):
             self.next_offset[partition] = int(events.offsets[events.partitions == partition].max()) + 1
         self.consumed += len(events)
         return events
@@ -363,11 +369,11 @@ class KafkaSource:
         """The events before the end offsets captured at start-up. A partition read past its end is
         paused: what follows is left for the next run."""
         past = np.zeros(len(events), dtype=np.bool_)
-        for partition in np.unique(events.partitions).tolist():
+        for partition in partitions_in(events.partitions):
             past |= (events.partitions == partition) & (events.offsets >= self.end_offset[partition])
         if not past.any():
             return events
-        self.consumer.pause([TopicPartition(self.topic, p) for p in np.unique(events.partitions[past]).tolist()])
+        self.consumer.pause([TopicPartition(self.topic, p) for p in partitions_in(events.partitions[past])])
         return events.where(~past)
 
     def commit(self, next_offsets: dict[int, int]) -> None:

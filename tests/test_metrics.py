@@ -3,7 +3,7 @@ import warnings
 import numpy as np
 import pytest
 
-from streamtrain.metrics import ProgressiveQuality, roc_auc
+from streamtrain.metrics import ProgressiveQuality, TaskQualities, roc_auc
 
 
 def brute_force_auc(scores, labels) -> float:
@@ -65,3 +65,21 @@ def test_progressive_quality_of_extreme_logits_does_not_overflow():
     assert figures["auc"] == 0.5
     assert figures["calibration"] == pytest.approx(1.0)  # two certain clicks predicted, two clicks
     assert np.isfinite(figures["ne"])
+
+
+def test_per_step_quality_is_folded_in_bounded_chunks_with_the_same_figures():
+    rng = np.random.default_rng(1)
+    steps = [(rng.normal(size=1024), (rng.random(1024) < 0.2).astype(np.float32)) for _ in range(40)]
+    folded = TaskQualities(["clk"], window=30_000)
+    at_once = ProgressiveQuality(window=30_000)
+    held_back = []
+    for logits, labels in steps:
+        folded.add(logits, labels)
+        held_back.append(folded.by_task["clk"].sums[3])
+    # The training thread's add folds at most every FOLD_EVENTS events: never more held back.
+    assert max(i * 1024 + 1024 - held for i, held in enumerate(held_back)) < TaskQualities.FOLD_EVENTS
+    assert held_back[0] == 0  # one step's arrays alone are only kept
+    at_once.add(np.concatenate([s[0] for s in steps]), np.concatenate([s[1] for s in steps]))
+    expected, figures = at_once.compute(), folded.compute()["clk"]
+    for window in ("window", "lifetime"):
+        assert figures[window] == pytest.approx(expected[window])
