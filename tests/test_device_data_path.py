@@ -17,7 +17,6 @@ import yaml
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-import streamtrain.checkpoint as checkpoint_module
 from streamtrain.batch import Prefetcher, host_staging
 from streamtrain.checkpoint import Checkpointer, CheckpointError, StreamState, staging_options
 from streamtrain.config import BatchingConfig, parse_config
@@ -375,35 +374,33 @@ def test_device_vote_after_forward_trains_the_same_weights(config, uneven_batche
 
 
 def test_device_snapshot_staging_is_chosen_per_device():
-    assert staging_options(torch.device("cpu"), "thread") is None
+    cpu = staging_options(torch.device("cpu"), "thread")
+    assert cpu is not None  # a kept stager: one copy per snapshot into buffers it reuses
+    assert not (cpu.use_pinned_memory or cpu.use_non_blocking_copy or cpu.use_shared_memory)
+    assert not cpu.use_async_staging  # async_save returns once the cut is on the host
     assert staging_options(torch.device("cpu"), "process") is None
     cuda = staging_options(torch.device("cuda", 0), "thread")
     assert cuda is not None
     assert cuda.use_pinned_memory and cuda.use_non_blocking_copy
-    assert not cuda.use_async_staging  # async_save returns once the cut is on the host
+    assert not cuda.use_async_staging
     assert not cuda.use_shared_memory
     with pytest.raises(CheckpointError, match="async_mode: process does not support a CUDA trainer"):
         staging_options(torch.device("cuda", 0), "process")
 
 
-def test_device_cpu_checkpointer_keeps_dcps_own_staging(tmp_path, config):
+def test_device_cpu_checkpointer_keeps_dcps_own_staging_only_for_the_helper_process(tmp_path, config):
     trainer = Trainer(config, init_distributed())
-    checkpoint_config = small_config(tmp_path)
-    checkpointer = Checkpointer(
-        checkpoint_config.checkpoint, checkpoint_config, trainer.model, trainer.optimizer, 0, 1, None
-    )
-    assert checkpointer.stager is None
+    for mode, kept in (("thread", True), ("process", False)):
+        checkpoint_config = small_config(tmp_path)
+        checkpoint = checkpoint_config.checkpoint.model_copy(update={"async_mode": mode})
+        checkpointer = Checkpointer(checkpoint, checkpoint_config, trainer.model, trainer.optimizer, 0, 1, None)
+        assert (checkpointer.stager is not None) == kept, mode
 
 
-def test_device_staged_snapshots_are_the_cut_through_a_kept_stager(monkeypatch, tmp_path, uneven_batches):
-    """The CUDA route, with pinning and non-blocking copies (which need a GPU) switched off: the
-    DTensor state goes through DCP's DefaultStager, whose host buffers are reused by the next
-    snapshot, and each snapshot is still its step's cut."""
-    from torch.distributed.checkpoint.staging import StagingOptions
-
-    monkeypatch.setattr(
-        checkpoint_module, "staging_options", lambda device, mode: StagingOptions(False, False, False, False)
-    )
+def test_device_staged_snapshots_are_the_cut_through_a_kept_stager(tmp_path, uneven_batches):
+    """The CUDA route, with pinning and non-blocking copies (which need a GPU) off, which is the
+    CPU route: the DTensor state goes through DCP's DefaultStager, whose host buffers are reused by
+    the next snapshot, and each snapshot is still its step's cut."""
     config = small_config(tmp_path)
     env = init_distributed()
     trainer = Trainer(config, env)
