@@ -24,7 +24,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import _check_state_dict_similarity, _copy_state_dict, _create_cpu_state_dict
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -265,11 +265,14 @@ class KeptBuffersStager(AsyncStager):
 
     def __init__(self) -> None:
         self._buffers: dict[str, Any] | None = None
+        self._layout: Any = None
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if self._buffers is None or not _check_state_dict_similarity(state_dict, self._buffers):
+        # DCP's own similarity check copies every tensor as it compares; this compares shapes only
+        layout = _layout(state_dict)
+        if self._buffers is None or layout != self._layout:
             # the first snapshot, or state that changed shape since (optimizer state appears lazily)
-            self._buffers = _create_cpu_state_dict(state_dict)
+            self._buffers, self._layout = _create_cpu_state_dict(state_dict), layout
         return cast(dict[str, Any], _copy_state_dict(state_dict, self._buffers, type_check=False))
 
     def synchronize_staging(self) -> None:
@@ -277,6 +280,17 @@ class KeptBuffersStager(AsyncStager):
 
     def close(self) -> None:
         self._buffers = None
+
+
+def _layout(state: Any) -> Any:
+    """What kept staging buffers must match: the nesting, and each tensor's kind, shape and dtype."""
+    if isinstance(state, dict):
+        return tuple((key, _layout(value)) for key, value in state.items())
+    if isinstance(state, (list, tuple)):
+        return tuple(_layout(value) for value in state)
+    if isinstance(state, torch.Tensor):
+        return type(state).__name__, tuple(state.shape), state.dtype
+    return None
 
 
 def snapshot_stager(device: torch.device, async_mode: str) -> AsyncStager | None:
