@@ -24,6 +24,7 @@ import fsspec
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -235,12 +236,11 @@ def _fingerprint_v1(config: WorkerConfig) -> dict[str, str]:
 
 
 def staging_options(device: torch.device, async_mode: str) -> StagingOptions | None:
-    """How ``dcp.async_save`` stages (copies) a snapshot's state on a trainer on ``device``, before
-    the write goes on in the background. None: as DCP does by default, through the
-    ``FileSystemWriter`` (a blocking copy into fresh, pageable host memory per snapshot); that is
-    what runs on CPU. On CUDA: into pinned host buffers kept from one snapshot to the next, filled
-    by non-blocking copies, synchronously: ``dcp.async_save`` returns only once every copy is done,
-    so the next step cannot change the weights of the cut. ``process`` mode is refused there."""
+    """How DCP's ``DefaultStager`` stages (copies) a snapshot's state on a CUDA trainer, before the
+    write goes on in the background: into pinned host buffers kept from one snapshot to the next,
+    filled by non-blocking copies, synchronously: ``dcp.async_save`` returns only once every copy
+    is done, so the next step cannot change the weights of the cut. ``process`` mode is refused
+    there. None off CUDA, where ``snapshot_stager`` chooses."""
     if device.type != "cuda":
         return None
     if async_mode == "process":
@@ -253,6 +253,62 @@ def staging_options(device: torch.device, async_mode: str) -> StagingOptions | N
     return StagingOptions(
         use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
     )
+
+
+class KeptBuffersStager(AsyncStager):
+    """Stages a snapshot on a CPU trainer into host buffers made at the first snapshot and
+    refilled by each later one: one copy of the state on the training thread per snapshot.
+
+    DCP's own staging allocates fresh pageable memory every time and copies each sharded table
+    three times on the way (a deep copy, a zeroed shard, then the copy): on the reference model
+    (205 MiB) about 2 CPU-s of the training thread per snapshot, against 0.05-0.1 s for the one
+    copy. ``DefaultStager`` keeps its buffers too, but as copies of whole storages: a table is a
+    view into its kernel's storage, so the writer then clones every table before it saves it
+    (0.4-0.5 CPU-s per write, against 0.17-0.19 s from buffers of their own). Here each tensor gets
+    a buffer of its own, which the writer saves as it is. One save is in flight at a time, so a
+    staging never refills buffers a write is still reading. The staging is synchronous:
+    ``dcp.async_save`` returns once the copy is done, so the next step cannot change the cut."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Any] | None = None
+        self._layout: Any = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        # DCP's own similarity check copies every tensor as it compares; this compares shapes only
+        layout = _layout(state_dict)
+        if self._buffers is None or layout != self._layout:
+            # the first snapshot, or state that changed shape since (optimizer state appears lazily)
+            self._buffers, self._layout = _create_cpu_state_dict(state_dict), layout
+        return cast(dict[str, Any], _copy_state_dict(state_dict, self._buffers, type_check=False))
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: ``stage`` returns once the copy is done."""
+
+    def close(self) -> None:
+        self._buffers = None
+
+
+def _layout(state: Any) -> Any:
+    """What kept staging buffers must match: the nesting, and each tensor's kind, shape and dtype."""
+    if isinstance(state, dict):
+        return tuple((key, _layout(value)) for key, value in state.items())
+    if isinstance(state, (list, tuple)):
+        return tuple(_layout(value) for value in state)
+    if isinstance(state, torch.Tensor):
+        return type(state).__name__, tuple(state.shape), state.dtype
+    return None
+
+
+def snapshot_stager(device: torch.device, async_mode: str) -> AsyncStager | None:
+    """What stages a snapshot on a trainer on ``device``. None: DCP's own staging, kept for the
+    helper process of ``process`` mode on CPU, which is handed the staged state (not measured with
+    kept buffers)."""
+    if device.type == "cuda":
+        options = staging_options(device, async_mode)
+        return DefaultStager(options) if options is not None else None
+    return KeptBuffersStager() if async_mode == "thread" else None
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:
@@ -390,10 +446,9 @@ class Checkpointer:
         # Steps whose snapshots a reader outside this class is still using (a base export): kept
         # past keep_last until it lets go.
         self.pinned: set[int] = set()
-        # One stager for the worker's life: it keeps its pinned buffers. One save is in flight at
+        # One stager for the worker's life: it keeps its host buffers. One save is in flight at
         # a time, so a staging never overwrites the buffers a write is still reading.
-        options = staging_options(_device_of(model), config.async_mode)
-        self.stager: AsyncStager | None = DefaultStager(options) if options is not None else None
+        self.stager = snapshot_stager(_device_of(model), config.async_mode)
         if rank == 0:
             fs, base = _fs(self.root)
             fs.makedirs(base, exist_ok=True)

@@ -19,7 +19,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import streamtrain.checkpoint as checkpoint_module
 from streamtrain.batch import Prefetcher, host_staging
-from streamtrain.checkpoint import Checkpointer, CheckpointError, StreamState, staging_options
+from streamtrain.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    KeptBuffersStager,
+    StreamState,
+    snapshot_stager,
+    staging_options,
+)
 from streamtrain.config import BatchingConfig, parse_config
 from streamtrain.decode import AvroBatchDecoder, ClickBatch, DecodeResult, FastavroDecoder, PartitionSpan
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
@@ -375,8 +382,9 @@ def test_device_vote_after_forward_trains_the_same_weights(config, uneven_batche
 
 
 def test_device_snapshot_staging_is_chosen_per_device():
+    assert isinstance(snapshot_stager(torch.device("cpu"), "thread"), KeptBuffersStager)
+    assert snapshot_stager(torch.device("cpu"), "process") is None  # DCP's own, for its helper process
     assert staging_options(torch.device("cpu"), "thread") is None
-    assert staging_options(torch.device("cpu"), "process") is None
     cuda = staging_options(torch.device("cuda", 0), "thread")
     assert cuda is not None
     assert cuda.use_pinned_memory and cuda.use_non_blocking_copy
@@ -386,29 +394,31 @@ def test_device_snapshot_staging_is_chosen_per_device():
         staging_options(torch.device("cuda", 0), "process")
 
 
-def test_device_cpu_checkpointer_keeps_dcps_own_staging(tmp_path, config):
+def test_device_cpu_checkpointer_keeps_dcps_own_staging_only_for_the_helper_process(tmp_path, config):
     trainer = Trainer(config, init_distributed())
-    checkpoint_config = small_config(tmp_path)
-    checkpointer = Checkpointer(
-        checkpoint_config.checkpoint, checkpoint_config, trainer.model, trainer.optimizer, 0, 1, None
-    )
-    assert checkpointer.stager is None
+    for mode, kept in (("thread", True), ("process", False)):
+        checkpoint_config = small_config(tmp_path)
+        checkpoint = checkpoint_config.checkpoint.model_copy(update={"async_mode": mode})
+        checkpointer = Checkpointer(checkpoint, checkpoint_config, trainer.model, trainer.optimizer, 0, 1, None)
+        assert (checkpointer.stager is not None) == kept, mode
 
 
 def test_device_staged_snapshots_are_the_cut_through_a_kept_stager(monkeypatch, tmp_path, uneven_batches):
     """The CUDA route, with pinning and non-blocking copies (which need a GPU) switched off: the
     DTensor state goes through DCP's DefaultStager, whose host buffers are reused by the next
     snapshot, and each snapshot is still its step's cut."""
-    from torch.distributed.checkpoint.staging import StagingOptions
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     monkeypatch.setattr(
-        checkpoint_module, "staging_options", lambda device, mode: StagingOptions(False, False, False, False)
+        checkpoint_module,
+        "snapshot_stager",
+        lambda device, mode: DefaultStager(StagingOptions(False, False, False, False)),
     )
     config = small_config(tmp_path)
     env = init_distributed()
     trainer = Trainer(config, env)
     checkpointer = Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, 0, 1, None)
-    assert checkpointer.stager is not None
+    assert isinstance(checkpointer.stager, DefaultStager)
     list(trainer.train(iter(uneven_batches[:2])))
     checkpointer.save(StreamState(step=2, next_offsets={0: 2}, trained={0: 2}))
     list(trainer.train(iter(uneven_batches[2:4])))
