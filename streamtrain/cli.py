@@ -267,6 +267,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from confluent_kafka import KafkaException
+
     from streamtrain.delivery.serve import ScoringServer
 
     model, deltas = _serving_sources(args)
@@ -283,11 +285,7 @@ def _serve(args: argparse.Namespace) -> int:
     except TimeoutError as error:  # no base to serve yet
         print(f"streamtrain: {error}", file=sys.stderr)
         return 1
-    except Exception as error:
-        from confluent_kafka import KafkaException
-
-        if not isinstance(error, KafkaException):
-            raise
+    except KafkaException as error:
         # the same exit code as a worker whose brokers do not answer: an orchestrator retries both
         print(f"streamtrain: the delta topic cannot be read: {error.args[0]}", file=sys.stderr)
         return 4
