@@ -488,8 +488,12 @@ class DistributedConfig(_Strict):
     # ranks on the host.
     hbm_gb: float | None = Field(default=None, gt=0)
     ddr_gb: float | None = Field(default=None, gt=0)
+    # Threads each rank's operators run on (torch.set_num_threads). Unset: OMP_NUM_THREADS when
+    # set, else the cores this process may use, shared among the host's ranks, less one for the
+    # data path and the snapshot writer (streamtrain/device.py: intra_op_threads).
+    intra_op_threads: int | None = Field(default=None, gt=0)
 
-    @field_validator("plan_path", mode="before")
+    @field_validator("plan_path", "intra_op_threads", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
         return None if value == "" else value  # STREAMTRAIN_DISTRIBUTED__PLAN_PATH= means none

@@ -267,7 +267,12 @@ class Trainer:
         torch.manual_seed(config.model.seed)
         planner_topology = topology(config, env.world_size, env.device.type, device=env.device)
         if env.rank == 0:
-            log.info("training on %s; %s", env.device.type, describe_topology(planner_topology))
+            log.info(
+                "training on %s with %d intra-op thread(s) per rank; %s",
+                env.device.type,
+                torch.get_num_threads(),
+                describe_topology(planner_topology),
+            )
         model, self.plan = plan_sharding(
             config, env.world_size, env.device.type, dist.group.WORLD, env.device, planner_topology
         )

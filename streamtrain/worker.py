@@ -186,7 +186,9 @@ def run_worker(
     """
     if config.delivery.enabled:
         config.checkpoint_path_for_delivery()  # refused before anything starts
-    env = init_distributed(config.distributed.timeout_seconds, config.distributed.device)
+    env = init_distributed(
+        config.distributed.timeout_seconds, config.distributed.device, config.distributed.intra_op_threads
+    )
     metrics = WorkerMetrics(config.metrics.auc_window, [t.name for t in config.tasks()])
     metrics.info.info({"rank": str(env.rank), "world_size": str(env.world_size), "topic": config.kafka.topic})
     health = Health(config.metrics.stall_seconds)

@@ -37,6 +37,7 @@ def test_checkpoint_benchmark_runs_and_reports_a_ratio_and_its_device(tmp_path):
     assert "ratio" in printed
     assert saved["snapshots"] >= 1 and saved["baseline_events_per_second"] > 0 and saved["ratio"] > 0
     assert saved["device"] == "cpu" and "both legs on cpu" in printed
+    assert saved["intra_op_threads"] >= 1 and f"{saved['intra_op_threads']} intra-op thread(s)" in printed
 
 
 def test_train_step_benchmark_runs_both_paths_on_the_workers_device_and_reports_a_ratio():
@@ -64,6 +65,8 @@ def test_e2e_benchmark_trains_the_topic_with_the_worker_the_naive_loop_and_the_l
         assert legs[name]["total_events"] == saved["events"], (name, legs[name])
     assert all(leg["events_per_second"] > 0 and leg["events"] > 0 for leg in legs.values())
     assert saved["worker_over_naive"] > 0 and saved["worker_over_limit"] > 0
+    # the limit's ranks train the shares the topic's partitions hold, not equal ones
+    assert sum(saved["rank_events"]) == saved["events"] and len(set(saved["rank_events"])) == 2
     assert {leg["device"] for leg in legs.values()} == {"cpu"}
     assert saved["machine"]["cores"] and saved["machine"]["torchrec"]
     # CPU per trained event, every thread of both ranks, split by thread; the broker apart

@@ -22,6 +22,7 @@ from streamtrain.device import (
     NCCL_TIMEOUT_FACTOR,
     fbgemm_variant,
     host_memory_bytes,
+    intra_op_threads,
     process_group_options,
     select_device,
 )
@@ -82,6 +83,30 @@ def test_device_cuda_refused_by_the_worker_command_before_any_rank_starts(monkey
 def test_device_field_is_validated_like_every_field(monkeypatch):
     monkeypatch.setenv("STREAMTRAIN_DISTRIBUTED__DEVICE", "gpu")
     with pytest.raises(ConfigError, match=r"distributed\.device: Input should be 'auto', 'cpu' or 'cuda'"):
+        load_config(SMALL_CONFIG)
+
+
+def test_intra_op_threads_leave_a_core_beside_the_hosts_ranks(monkeypatch):
+    """The auto count leaves one core for the data path and the snapshot writer; torchrun's
+    OMP_NUM_THREADS and the config each win over it."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(device_module.os, "sched_getaffinity", lambda pid: set(range(8)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert intra_op_threads(None) == 7
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert intra_op_threads(None) == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert intra_op_threads(None) == 1  # never none
+    assert intra_op_threads(5) == 5
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert intra_op_threads(None) == 2
+    assert intra_op_threads(5) == 5
+
+
+def test_intra_op_threads_field_is_validated(monkeypatch):
+    monkeypatch.setenv("STREAMTRAIN_DISTRIBUTED__INTRA_OP_THREADS", "0")
+    with pytest.raises(ConfigError, match=r"distributed\.intra_op_threads"):
         load_config(SMALL_CONFIG)
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from streamtrain.bench.common import Leg, machine, rate_text, synthetic_batches, train_for
 
 if TYPE_CHECKING:
+    from streamtrain.checkpoint import Checkpointer
     from streamtrain.config import WorkerConfig
 
 
@@ -35,11 +36,13 @@ def bench_checkpoint(
     """Training throughput with an async snapshot every ``interval_seconds`` against none,
     in alternating legs on one trainer and the same batches, after a warm-up that includes one
     snapshot."""
+    import torch
+
     from streamtrain.checkpoint import Checkpointer, StreamState
     from streamtrain.device import init_distributed
     from streamtrain.train import Trainer
 
-    env = init_distributed(device=config.distributed.device)
+    env = init_distributed(device=config.distributed.device, threads=config.distributed.intra_op_threads)
     trainer = Trainer(config, env)
     batches = synthetic_batches(config, 32)
     train_for(trainer, batches, 3.0)  # warm-up, excluded
@@ -48,7 +51,8 @@ def bench_checkpoint(
         checkpointer = Checkpointer(checkpoint, config, trainer.model, trainer.optimizer, 0, 1, None)
         # Also warm-up: the first snapshot makes the host buffers every later one refills, once in
         # the worker's life; the legs measure what snapshots cost from then on.
-        checkpointer.save(StreamState(step=0))
+        checkpointer.start_save(StreamState(step=0))
+        _committed(checkpointer)
         baseline, contender = Leg(), Leg()
         for round_ in range(rounds):
             leg = train_for(trainer, batches, seconds)
@@ -62,14 +66,14 @@ def bench_checkpoint(
                 nonlocal last
                 if checkpointer.save_done():
                     contender.snapshots.append(time.perf_counter() - last)
-                    checkpointer.finish_save()
+                    _committed(checkpointer)
                 if not checkpointer.save_in_flight and time.perf_counter() - last >= interval_seconds:
                     last = time.perf_counter()  # when this snapshot started
                     checkpointer.start_save(StreamState(step=step))
 
             leg = train_for(trainer, batches, seconds, snapshot_when_due)
             if checkpointer.save_in_flight:
-                checkpointer.finish_save()
+                _committed(checkpointer)
             contender.events += leg.events
             contender.seconds += leg.seconds
             progress(f"round {round_ + 1}/{rounds}: async snapshots {leg.rate:>10,.0f} events/s")
@@ -86,15 +90,22 @@ def bench_checkpoint(
         "async_snapshot_events_per_second": contender.rate,
         "ratio": contender.rate / baseline.rate,
         "device": env.device.type,  # both legs: one trainer
+        "intra_op_threads": torch.get_num_threads(),
         "snapshots": len(contender.snapshots),
         "snapshot_seconds_mean": sum(contender.snapshots) / max(len(contender.snapshots), 1),
         "snapshot_bytes": snapshot_bytes,
     }
 
 
+def _committed(checkpointer: Checkpointer) -> None:
+    """Finish the save in flight; a failed one would leave the contender leg a snapshot short."""
+    if checkpointer.finish_save() is None:
+        raise RuntimeError(f"a snapshot failed, so the figures would not be what they say: {checkpointer.last_failure}")
+
+
 def table(result: dict) -> str:
     lines = [
-        f"  both legs on {result.get('device', '-')}",
+        f"  both legs on {result.get('device', '-')}, {result.get('intra_op_threads', '-')} intra-op thread(s)",
         f"  without snapshots            {result['baseline_events_per_second']:>12,.0f} events/s",
         f"  async snapshot every {result['interval_seconds']:>4.0f}s  "
         f"{result['async_snapshot_events_per_second']:>12,.0f} events/s",

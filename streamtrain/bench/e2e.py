@@ -7,9 +7,11 @@ that same topic and in the same run:
 - naive: a plain consume-decode-train loop with the same model arithmetic
   (``streamtrain/bench/naive.py``: fastavro per record, Python lists to tensors, one
   nn.EmbeddingBag per table, DDP, no prefetch, no overlap), 2 ranks;
-- limit: the worker's Trainer on 2 ranks from pre-built in-memory batches (as many distinct
-  events as the topic held, decoded before the clock starts), no Kafka and no decoding: the
-  ceiling the data path can approach.
+- limit: the worker's Trainer on 2 ranks from pre-built in-memory batches (each rank as many
+  distinct events as its partitions held, in full batches, then empty steps until the other
+  rank is done, as the worker's lockstep does; decoded before the clock starts), no Kafka and no
+  decoding: the ceiling the data path can approach. Keys are user ids, so the partitions hold
+  unequal shares, and the ranks' steps are bound by the rank with the most events in every leg.
 
 Each figure is events/s over both ranks from the end of the warm-up to the last trained event;
 the warm-up is the first --warm-up seconds after the first trained event. Printed ratios: worker
@@ -83,6 +85,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     with KafkaBroker() as broker:
         progress(f"writing {events:,} events to a {args.partitions}-partition topic")
         produce(broker.bootstrap_servers, "e2e", events, partitions=args.partitions, seed=11, schema_path=SCHEMA)
+        rank_events = events_per_rank(broker.bootstrap_servers, "e2e")
         progress("worker: streamtrain worker --nproc 2 --until-end")
         legs["worker"] = worker_leg(
             args.config, broker.bootstrap_servers, "e2e", warm_up, profile=args.profile, broker_pid=broker.pid
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
             progress(f"  {legs['naive']['events_per_second']:,.0f} events/s")
     if args.limit:
         progress("limit: the worker's trainer from in-memory batches, no Kafka, no decoding")
-        legs["limit"] = limit_leg(args.config, events, warm_up)
+        legs["limit"] = limit_leg(args.config, rank_events, warm_up)
         progress(f"  {legs['limit']['events_per_second']:,.0f} events/s")
     rate = {name: leg["events_per_second"] for name, leg in legs.items()}
     cpu = {name: leg.get("cpu", {}).get("cpu_seconds_per_event") for name, leg in legs.items()}
@@ -107,6 +110,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         "events": events,
         "partitions": args.partitions,
         "ranks": WORLD_SIZE,
+        "rank_events": rank_events,  # what each rank's partitions held: the limit's shares
         "warm_up_seconds": warm_up,
         "legs": legs,
         "worker_over_naive": rate["worker"] / rate["naive"] if rate.get("naive") else None,
@@ -267,14 +271,32 @@ def naive_leg(
     }
 
 
-def limit_leg(config: Path, events: int, warm_up: float) -> dict:
+def events_per_rank(bootstrap_servers: str, topic: str) -> list[int]:
+    """The events each rank's partitions (``p % WORLD_SIZE == rank``) hold."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer(
+        {"bootstrap.servers": bootstrap_servers, "group.id": "e2e-sizes", "broker.address.family": "v4"}
+    )
+    try:
+        partitions = consumer.list_topics(topic, timeout=30).topics[topic].partitions
+        held = [0] * WORLD_SIZE
+        for p in partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=30, cached=False)
+            held[p % WORLD_SIZE] += high - low
+        return held
+    finally:
+        consumer.close()
+
+
+def limit_leg(config: Path, rank_events: list[int], warm_up: float) -> dict:
     from streamtrain.bench.ranks import run_ranks
 
     pids: list[int] = []
     with CpuSampler(lambda: pids) as cpu:
         ranks = run_ranks(
             "streamtrain.bench.e2e:limit_rank",
-            {"config": str(config), "events": events, "min_seconds": 3 * warm_up},
+            {"config": str(config), "rank_events": rank_events, "min_seconds": 3 * warm_up},
             started=pids.extend,
         )
     wall = np.concatenate([np.array(r["step_wall"]) for r in ranks])
@@ -298,28 +320,35 @@ def _window_cpu(cpu: CpuSampler, step_wall: np.ndarray, step_events: np.ndarray,
     )
 
 
-def limit_rank(config: str, events: int, min_seconds: float) -> dict:
-    """One rank of the limit: the worker's Trainer (TrainPipelineSparseDist) on pre-built batches."""
+def limit_rank(config: str, rank_events: list[int], min_seconds: float) -> dict:
+    """One rank of the limit: the worker's Trainer (TrainPipelineSparseDist) on pre-built batches,
+    ``rank_events[rank]`` events of them, then empty steps while another rank still trains."""
     import torch
     import torch.distributed as dist
 
     from streamtrain.bench.common import synthetic_batches, train_for
     from streamtrain.config import load_config
+    from streamtrain.decode import AvroBatchDecoder
     from streamtrain.device import init_distributed
     from streamtrain.train import Trainer
 
     worker_config = load_config(config)
-    env = init_distributed(device=worker_config.distributed.device)
-    steps = max(events // (worker_config.batching.batch_size * env.world_size), 1)
-    # As many distinct events as the topic held, from the same stream model (a seed per rank), so
-    # the tables see as many distinct rows as in the Kafka legs; decoded before the clock starts.
-    batches = synthetic_batches(worker_config, steps, seed=11 + env.rank)
+    env = init_distributed(device=worker_config.distributed.device, threads=worker_config.distributed.intra_op_threads)
+    size = worker_config.batching.batch_size
+    full = [max(round(events / size), 1) for events in rank_events]
+    # As many distinct events as this rank's partitions held, from the same stream model (a seed
+    # per rank), so the tables see as many distinct rows as in the Kafka legs; decoded before the
+    # clock starts.
+    empty = AvroBatchDecoder(worker_config.features, tasks=worker_config.tasks()).decode([]).batch
+    batches = synthetic_batches(worker_config, full[env.rank], seed=11 + env.rank)
+    batches += [empty] * (max(full) - full[env.rank])
     trainer = Trainer(worker_config, env)
-    step_wall, step_events = [], []
+    step_wall: list[float] = []
+    step_events: list[int] = []
 
     def after_step(_step: int) -> None:
+        step_events.append(batches[len(step_wall) % len(batches)].size)  # the chunks below go round in order
         step_wall.append(time.time())
-        step_events.append(worker_config.batching.batch_size)
 
     # Every batch once, in chunks; a small fast model goes round again until it has trained for
     # ``min_seconds``, so the counted window is not empty. The ranks agree on when to stop.
@@ -330,7 +359,7 @@ def limit_rank(config: str, events: int, min_seconds: float) -> dict:
         done = len(step_wall)
         elapsed = torch.tensor([time.monotonic() - started])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MIN)
-        if done >= steps and elapsed.item() >= min_seconds:
+        if done >= len(batches) and elapsed.item() >= min_seconds:
             break
     return {"step_wall": step_wall, "step_events": step_events, "device": env.device.type}
 
@@ -445,6 +474,8 @@ def table(result: dict) -> str:
         f"  {result['events']:,} events in a {result['partitions']}-partition local Kafka topic, "
         f"{result['ranks']} ranks; warm-up (first {result['warm_up_seconds']:g}s after the first trained "
         f"event) excluded",
+        "  events per rank (its partitions' share, the limit's too): "
+        + ", ".join(f"{n:,}" for n in result.get("rank_events", [])),
         f"  {'leg':<44} {'device':<6} {'events/s':>12} {'counted':>10} {'seconds':>8}",
     ]
     names = {

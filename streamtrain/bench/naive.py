@@ -78,7 +78,9 @@ def main() -> None:
     from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 
     config = load_config(args.config)
-    env = init_distributed(config.distributed.timeout_seconds, config.distributed.device)
+    env = init_distributed(
+        config.distributed.timeout_seconds, config.distributed.device, config.distributed.intra_op_threads
+    )
     rank, world, device = env.rank, env.world_size, env.device
     features, batch_size = config.features, config.batching.batch_size
     schema = fastavro.parse_schema(without_logical_types(load_schema(features.resolved_schema_path())))

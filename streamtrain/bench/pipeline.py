@@ -68,7 +68,7 @@ def rank_main(config: str, steps: int, rounds: int) -> dict:
     from streamtrain.train import Trainer
 
     worker_config = load_config(config)
-    env = init_distributed(device=worker_config.distributed.device)
+    env = init_distributed(device=worker_config.distributed.device, threads=worker_config.distributed.intra_op_threads)
     batches = synthetic_batches(worker_config, 16, seed=env.rank)
     trainers = {"sparse_dist": Trainer(worker_config, env), "base": Trainer(worker_config, env)}
     base = trainers["base"]

@@ -168,7 +168,9 @@ def _train_and_score(
     from streamtrain.train import Trainer
 
     names = [t.name for t in config.tasks()]
-    trainer = Trainer(config, init_distributed(device=config.distributed.device))
+    trainer = Trainer(
+        config, init_distributed(device=config.distributed.device, threads=config.distributed.intra_op_threads)
+    )
     quality = TaskQualities(names, window)
     started = time.perf_counter()
     for result in trainer.train(iter(batches)):
