@@ -27,6 +27,10 @@ from streamtrain.source import RawEvent
 from streamtrain.train import Trainer
 
 PARTITIONS = 4
+# Who a kill trial SIGKILLs. The default run kills each once; STREAMTRAIN_TEST_KILL_TRIALS adds
+# trials that pick at random, for a long, on-demand run.
+KILL_VICTIMS = ("rank 1", "rank 0", "all")
+KILL_TRIALS = int(os.environ.get("STREAMTRAIN_TEST_KILL_TRIALS", str(len(KILL_VICTIMS))))
 
 
 def small_config(tmp_path: Path, **checkpoint):
@@ -210,16 +214,15 @@ def test_exactly_once_across_random_sigkills(kafka, topic_name, start_ranks, liv
         "STREAMTRAIN_CHECKPOINT__INTERVAL_STEPS": "3",
         "STREAMTRAIN_DISTRIBUTED__TIMEOUT_SECONDS": "10",
     }
-    trials_wanted = int(os.environ.get("STREAMTRAIN_TEST_KILL_TRIALS", "5"))  # more in a long, on-demand run
     produce(kafka.bootstrap_servers, topic_name, 200, partitions=PARTITIONS, seed=40, schema_path=SCHEMA)
     # A live stream at 2,000 events/s for as long as the ranks are being killed, then stopped: a
     # stream sized by count could run dry before the last trial, and a restart with nothing left
     # to replay never trains. The count only bounds it.
-    producer = live_producer(kafka.bootstrap_servers, topic_name, 2000 * 60 * trials_wanted, 2000, "--seed", "41")
+    producer = live_producer(kafka.bootstrap_servers, topic_name, 2000 * 60 * KILL_TRIALS, 2000, "--seed", "41")
     rng = random.Random(1234)
     trials = []
     try:
-        for trial in range(trials_wanted):
+        for trial in range(KILL_TRIALS):
             ranks = start_ranks(topic_name, 2, env=env)
             ranks[0].wait_for(
                 lambda ranks=ranks: all(r.scrape().get("streamtrain_batches_total", 0) > 0 for r in ranks),
@@ -227,7 +230,7 @@ def test_exactly_once_across_random_sigkills(kafka, topic_name, start_ranks, liv
                 what="both ranks training",
             )
             time.sleep(rng.uniform(0.0, 2.0))
-            victim = rng.choice(["rank 0", "rank 1", "all"])
+            victim = KILL_VICTIMS[trial] if trial < len(KILL_VICTIMS) else rng.choice(KILL_VICTIMS)
             targets = ranks if victim == "all" else [ranks[int(victim[-1])]]
             steps_at_kill = rank_steps(ranks)
             for rank in targets:

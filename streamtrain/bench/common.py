@@ -10,7 +10,7 @@ import platform
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -190,6 +190,29 @@ def wait_until_training(port: int, process, timeout: float = 180.0) -> None:
             return
         time.sleep(0.5)
     raise RuntimeError("the worker did not start training")
+
+
+def trained_events(ports: Sequence[int]) -> float:
+    """Events the ranks serving metrics on ``ports`` have trained, all partitions together."""
+    return sum(
+        value
+        for port in ports
+        for name, value in scrape(port).items()
+        if name.startswith("streamtrain_events_trained_total{")
+    )
+
+
+def wait_until_trained(ports: Sequence[int], events: int, timeout: float) -> bool:
+    """Until the ranks serving metrics on ``ports`` have trained ``events`` in all, for at most
+    ``timeout`` seconds; whether they did. A run that settles after sending waits only as long as
+    its ranks need, not a fixed time sized for a slow machine."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if trained_events(ports) >= events:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def wait_until_ready(port: int, process, timeout: float = 180.0) -> None:

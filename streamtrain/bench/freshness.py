@@ -38,6 +38,7 @@ from streamtrain.bench.common import (
     rate_text,
     stop_worker,
     wait_until_ready,
+    wait_until_trained,
 )
 from streamtrain.bench.e2e import WORLD_SIZE, _children, worker_environment, worker_leg
 from streamtrain.bench.record import RunRecord
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     from streamtrain.dev.kafka import KafkaBroker
     from streamtrain.dev.produce import produce
 
-    max_events, seconds, warm_up = (40_000, 6.0, 2.0) if args.quick else (args.max_events, args.seconds, args.warm_up)
+    max_events, seconds, warm_up = (15_000, 4.0, 1.0) if args.quick else (args.max_events, args.seconds, args.warm_up)
     with KafkaBroker() as broker:
         progress(f"max throughput: {max_events:,} events, streamtrain worker --nproc 2 --until-end")
         produce(broker.bootstrap_servers, "freshness-max", max_events, partitions=4, seed=3, schema_path=SCHEMA)
@@ -204,7 +205,7 @@ def _at_rate(
             produced_seconds = time.time() - started
             # cores each part used while sending: on 2 cores, what the ranks get is what is left
             cores = {k: (sum(cpu_seconds(p) for p in v) - cpu_before[k]) / produced_seconds for k, v in pids.items()}
-            time.sleep(3.0)  # what was sent last is trained
+            wait_until_trained([port + rank for rank in range(WORLD_SIZE)], sent, timeout=3.0)
         finally:
             stop_worker(worker, 90)
         if worker.returncode:
