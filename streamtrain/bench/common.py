@@ -183,10 +183,15 @@ def scrape(port: int, timeout: float = 2.0) -> dict[str, float]:
     return samples
 
 
+def trained_in(samples: dict[str, float]) -> float:
+    """Events trained, all partitions together, in one rank's scraped ``samples``."""
+    return sum(v for k, v in samples.items() if k.startswith("streamtrain_events_trained_total{"))
+
+
 def wait_until_training(port: int, process, timeout: float = 180.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and process.poll() is None:
-        if any(k.startswith("streamtrain_events_trained_total{") and v > 0 for k, v in scrape(port).items()):
+        if trained_in(scrape(port)) > 0:
             return
         time.sleep(0.5)
     raise RuntimeError("the worker did not start training")
@@ -194,12 +199,7 @@ def wait_until_training(port: int, process, timeout: float = 180.0) -> None:
 
 def trained_events(ports: Sequence[int]) -> float:
     """Events the ranks serving metrics on ``ports`` have trained, all partitions together."""
-    return sum(
-        value
-        for port in ports
-        for name, value in scrape(port).items()
-        if name.startswith("streamtrain_events_trained_total{")
-    )
+    return sum(trained_in(scrape(port)) for port in ports)
 
 
 def wait_until_trained(ports: Sequence[int], events: int, timeout: float) -> bool:

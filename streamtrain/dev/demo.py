@@ -181,9 +181,7 @@ def calibrate(
 
 
 def _trained(port: int) -> float | None:
-    from streamtrain.bench.common import scrape
+    from streamtrain.bench.common import scrape, trained_in
 
     samples = scrape(port)
-    if not samples:
-        return None
-    return sum(v for k, v in samples.items() if k.startswith("streamtrain_events_trained_total{"))
+    return trained_in(samples) if samples else None
