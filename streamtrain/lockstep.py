@@ -21,6 +21,7 @@ import torch.distributed as dist
 from streamtrain.checkpoint import Checkpointer, SnapshotsFailing, StreamState
 from streamtrain.config import WorkerConfig
 from streamtrain.decode import ClickBatch
+from streamtrain.device import summed_over_ranks
 
 # How many batches TrainPipelineSparseDist takes ahead of the one it trains.
 PIPELINE_LOOKAHEAD = 2
@@ -145,7 +146,7 @@ class Lockstep:
             dtype=torch.int64,
         )
         if self.world_size > 1:
-            dist.all_reduce(votes, group=self.group)
+            votes = summed_over_ranks(votes, self.group)
         global_size, batches_held, flushes, stops, finished, *answers = votes.tolist()
         self.agreed = {
             name: count > 0 if mode == "any" else count == self.world_size
