@@ -49,6 +49,17 @@ def test_train_step_benchmark_runs_both_paths_on_the_workers_device_and_reports_
     assert re.search(r"B=512 F=4 D=8 rows=10,000 +cpu ", printed)
 
 
+def test_collectives_benchmark_times_both_sums_at_every_size_on_two_ranks():
+    saved, printed = _run_bench("collectives", "--quick")
+    assert saved["ranks"] == 2
+    assert saved["sizes"][0]["elements"] == 7  # the vote's size leads
+    for size in saved["sizes"]:
+        for leg in ("all_reduce", "all_gather"):
+            assert size["legs"][leg]["wall_us"] > 0 and size["legs"][leg]["cpu_us"] > 0
+        assert size["wall_ratio"] > 0 and size["cpu_ratio"] > 0
+    assert "the lockstep's vote" in printed
+
+
 @pytest.mark.integration  # starts its own broker
 def test_memory_benchmark_samples_the_workers_rss():
     saved = _bench("memory", "--quick", "--config", str(SMALL_CONFIG))

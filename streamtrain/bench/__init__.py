@@ -48,6 +48,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "streamtrain.bench.e2e",
         "Kafka -> worker at 2 ranks against a naive consume-decode-train loop, and the in-memory limit",
     ),
+    "collectives": (
+        "streamtrain.bench.collectives",
+        "a sum over 2 gloo ranks by all-gather and a local sum against gloo's all-reduce, vote to 4 MiB",
+    ),
     "decode": (
         "streamtrain.bench.decode",
         "the compiled Avro batch decoder against fastavro plus a Python loop, same payloads, one core",
