@@ -149,10 +149,11 @@ def gloo_group(world_size: int, timeout_seconds: float) -> dist.ProcessGroup | N
     return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_seconds))
 
 
-# Up to this size a sum over gloo ranks is an all-gather and a local sum: for a few numbers gloo's
-# all-reduce took 3-5x the wall time and 2-4x the CPU of its all-gather (``bench collectives``).
-# Above it the all-reduce wins: the gather moves world-size times the bytes and holds them.
-GATHER_SUM_MAX_BYTES = 1 << 20
+# Up to this size a sum over gloo ranks is an all-gather and a local sum: at 2 ranks gloo's
+# all-reduce took 2.8-3.7x the wall time and CPU of the all-gather for the vote's 7 numbers and about
+# 2x for 2k-13k floats, and they broke even near 1 MiB (``bench collectives``), past which the
+# all-reduce wins; the gather also moves and holds world-size times the bytes. Hence the margin.
+GATHER_SUM_MAX_BYTES = 256 << 10
 
 
 def summed_over_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """collectives: a sum over 2 gloo ranks by all-gather and a local sum (``device.summed_over_ranks``,
 what the lockstep's vote and the small DDP buckets use) against gloo's all-reduce, at the vote's
 size, at about the reference model's dense gradient bucket, and up to and past
-``GATHER_SUM_MAX_BYTES``.
+``GATHER_SUM_MAX_BYTES`` (256 KiB).
 
 Both ranks call each collective back to back, alternating the two in rounds. Per call: the wall
 time (the slower rank's) and the CPU time of the whole process (the caller and gloo's threads),
@@ -21,8 +21,9 @@ SIZES = [
     ("the lockstep's vote", "int64", 7),
     ("a data-parallel table's bucket", "float32", 2_048),
     ("the reference model's dense bucket", "float32", 13_137),
-    ("GATHER_SUM_MAX_BYTES", "float32", 262_144),
-    ("4x past it", "float32", 1_048_576),
+    ("GATHER_SUM_MAX_BYTES", "float32", 65_536),
+    ("4x past it", "float32", 262_144),
+    ("16x past it", "float32", 1_048_576),
 ]
 
 
@@ -107,5 +108,22 @@ def table(result: dict) -> str:
         lines.append(
             f"  {size:<54} {reduce['wall_us']:>8,.0f} / {reduce['cpu_us']:>6,.0f} µs "
             f"{gather['wall_us']:>8,.0f} / {gather['cpu_us']:>6,.0f} µs {s['wall_ratio']:>8.2f} {s['cpu_ratio']:>8.2f}"
+        )
+    return "\n".join(lines)
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"{result['ranks']} gloo ranks, {result['rounds']} rounds of {result['calls']} calls per collective and size; "
+        "per call, the slower rank's wall time and each process's CPU (gloo's threads included).\n",
+        "| size | all-reduce: wall, CPU | all-gather + sum: wall, CPU | ratio: wall, CPU |",
+        "|---|---|---|---|",
+    ]
+    for s in result["sizes"]:
+        reduce, gather = s["legs"]["all_reduce"], s["legs"]["all_gather"]
+        lines.append(
+            f"| {s['elements']:,} {s['dtype']} ({s['what']}) | {reduce['wall_us']:,.0f} µs, {reduce['cpu_us']:,.0f} µs "
+            f"| {gather['wall_us']:,.0f} µs, {gather['cpu_us']:,.0f} µs | **{s['wall_ratio']:.2f}**, "
+            f"**{s['cpu_ratio']:.2f}** |"
         )
     return "\n".join(lines)
