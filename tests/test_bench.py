@@ -69,8 +69,12 @@ def test_memory_benchmark_samples_the_workers_rss():
 
 @pytest.mark.integration  # starts its own broker
 def test_e2e_benchmark_trains_the_topic_with_the_worker_the_naive_loop_and_the_limit_on_one_device():
-    saved = _bench("e2e", "--quick", "--config", str(SMALL_CONFIG))
+    saved = _bench("e2e", "--quick", "--rounds", "2", "--config", str(SMALL_CONFIG))
     legs = saved["legs"]
+    # a second round, legs in reverse order: its worker reads the topic again from the start
+    assert len(saved["rounds"]) == 2
+    assert [r["legs"]["worker"]["total_events"] for r in saved["rounds"]] == [saved["events"]] * 2
+    assert saved["worker_over_limit"] == pytest.approx(np.median([r["worker_over_limit"] for r in saved["rounds"]]))
     assert set(legs) == {"worker", "naive", "limit"}
     for name in ("worker", "naive"):  # both trained every event of the topic
         assert legs[name]["total_events"] == saved["events"], (name, legs[name])
@@ -82,7 +86,7 @@ def test_e2e_benchmark_trains_the_topic_with_the_worker_the_naive_loop_and_the_l
     assert saved["machine"]["cores"] and saved["machine"]["torchrec"]
     # CPU per trained event, every thread of both ranks, split by thread; the broker apart
     worker, limit = legs["worker"]["cpu"], legs["limit"]["cpu"]
-    assert saved["cpu_per_event_ratio"] == worker["cpu_seconds_per_event"] / limit["cpu_seconds_per_event"]
+    assert saved["rounds"][0]["cpu_per_event_ratio"] == worker["cpu_seconds_per_event"] / limit["cpu_seconds_per_event"]
     for cpu in (worker, limit):
         assert set(cpu["by_thread"]) == set(GROUPS)
         assert cpu["cpu_seconds_per_event"] == pytest.approx(

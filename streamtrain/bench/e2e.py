@@ -67,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run the in-memory limit: the same model from pre-built batches (default on)",
     )
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the legs this many times, in turn, the order reversed every other round, and report "
+        "each round's ratios and their median: the machine's speed drifts between legs (default 1)",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="sample the worker and naive ranks with py-spy (collapsed stacks under results/) "
@@ -80,29 +87,41 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
 
     events = 60_000 if args.quick else args.events
     warm_up = 0.5 if args.quick else args.warm_up
-    legs: dict[str, dict] = {}
     load_before = loadavg()
+    rounds: list[dict[str, dict]] = []
     with KafkaBroker() as broker:
         progress(f"writing {events:,} events to a {args.partitions}-partition topic")
         produce(broker.bootstrap_servers, "e2e", events, partitions=args.partitions, seed=11, schema_path=SCHEMA)
         rank_events = events_per_rank(broker.bootstrap_servers, "e2e")
-        progress("worker: streamtrain worker --nproc 2 --until-end")
-        legs["worker"] = worker_leg(
-            args.config, broker.bootstrap_servers, "e2e", warm_up, profile=args.profile, broker_pid=broker.pid
-        )
-        progress(f"  {legs['worker']['events_per_second']:,.0f} events/s")
-        if args.baseline:
-            progress("naive: consume, fastavro per record, lists -> tensors, EmbeddingBag per table, DDP")
-            legs["naive"] = naive_leg(
-                args.config, broker.bootstrap_servers, "e2e", warm_up, profile=args.profile, broker_pid=broker.pid
-            )
-            progress(f"  {legs['naive']['events_per_second']:,.0f} events/s")
-    if args.limit:
-        progress("limit: the worker's trainer from in-memory batches, no Kafka, no decoding")
-        legs["limit"] = limit_leg(args.config, rank_events, warm_up)
-        progress(f"  {legs['limit']['events_per_second']:,.0f} events/s")
-    rate = {name: leg["events_per_second"] for name, leg in legs.items()}
-    cpu = {name: leg.get("cpu", {}).get("cpu_seconds_per_event") for name, leg in legs.items()}
+        names = ["worker", *(["naive"] if args.baseline else []), *(["limit"] if args.limit else [])]
+        for round_ in range(args.rounds):
+            legs: dict[str, dict] = {}
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                progress(f"{f'round {round_ + 1}/{args.rounds}, ' if args.rounds > 1 else ''}{name}: {LEGS[name]}")
+                if name == "worker":  # a group of its own each round, or it would resume where the last one stopped
+                    legs[name] = worker_leg(
+                        args.config,
+                        broker.bootstrap_servers,
+                        "e2e",
+                        warm_up,
+                        profile=args.profile,
+                        broker_pid=broker.pid,
+                        environment={"STREAMTRAIN_KAFKA__GROUP_ID": f"bench-e2e-{round_}"},
+                    )
+                elif name == "naive":
+                    legs[name] = naive_leg(
+                        args.config,
+                        broker.bootstrap_servers,
+                        "e2e",
+                        warm_up,
+                        profile=args.profile,
+                        broker_pid=broker.pid,
+                    )
+                else:
+                    legs[name] = limit_leg(args.config, rank_events, warm_up)
+                progress(f"  {legs[name]['events_per_second']:,.0f} events/s")
+            rounds.append(legs)
+    per_round = [ratios(legs) for legs in rounds]
     return {
         "benchmark": "e2e",
         "machine": machine(),
@@ -112,12 +131,45 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         "ranks": WORLD_SIZE,
         "rank_events": rank_events,  # what each rank's partitions held: the limit's shares
         "warm_up_seconds": warm_up,
-        "legs": legs,
+        "legs": rounds[0],
+        # With several rounds, each ratio is the median of the rounds'; "legs" is the first round.
+        **{key: _median([r[key] for r in per_round]) for key in RATIOS},
+        "rounds": per_round,
+        "loadavg": {"before": load_before, "after": loadavg()},
+    }
+
+
+RATIOS = ("worker_over_naive", "worker_over_limit", "cpu_per_event_ratio")
+LEGS = {
+    "worker": "streamtrain worker --nproc 2 --until-end",
+    "naive": "consume, fastavro per record, lists -> tensors, EmbeddingBag per table, DDP",
+    "limit": "the worker's trainer from in-memory batches, no Kafka, no decoding",
+}
+
+
+def ratios(legs: dict[str, dict]) -> dict:
+    """One round's ratios (throughput worker ÷ naive and ÷ limit, CPU per event worker ÷ limit), and
+    each leg's rate, events trained and CPU per event."""
+    rate = {name: leg["events_per_second"] for name, leg in legs.items()}
+    cpu = {name: leg.get("cpu", {}).get("cpu_seconds_per_event") for name, leg in legs.items()}
+    return {
         "worker_over_naive": rate["worker"] / rate["naive"] if rate.get("naive") else None,
         "worker_over_limit": rate["worker"] / rate["limit"] if rate.get("limit") else None,
         "cpu_per_event_ratio": cpu["worker"] / cpu["limit"] if cpu.get("worker") and cpu.get("limit") else None,
-        "loadavg": {"before": load_before, "after": loadavg()},
+        "legs": {
+            name: {
+                "events_per_second": rate[name],
+                "total_events": leg.get("total_events"),
+                "cpu_seconds_per_event": cpu[name],
+            }
+            for name, leg in legs.items()
+        },
     }
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return float(np.median(known)) if len(known) == len(values) else None
 
 
 def worker_environment(bootstrap: str, topic: str, record: Path, metrics_port: int = 0) -> dict[str, str]:
@@ -489,6 +541,13 @@ def table(result: dict) -> str:
             lines.append(
                 f"  {names[name]:<44} {leg.get('device', '-'):<6} {leg['events_per_second']:>12,.0f} "
                 f"{leg['events']:>10,} {leg['seconds']:>8.1f}"
+            )
+    if len(result.get("rounds", [])) > 1:
+        lines.append(f"  (the legs of round 1 of {len(result['rounds'])}; the ratios below are the rounds' median)")
+        for i, r in enumerate(result["rounds"], 1):
+            lines.append(
+                f"  round {i}: worker / naive {r['worker_over_naive'] or 0:.2f}, worker / limit "
+                f"{r['worker_over_limit'] or 0:.2f}, CPU per event worker / limit {r['cpu_per_event_ratio'] or 0:.2f}"
             )
     if result.get("worker_over_naive"):
         lines.append(f"  worker / naive = {result['worker_over_naive']:.2f}   (goal >= 2)")
