@@ -594,6 +594,17 @@ def markdown(result: dict) -> str:
             f"{rate_text(legs['limit']['events_per_second'])} | "
             f"worker / limit = **{result['worker_over_limit']:.2f}** (goal ≥ 0.8) |"
         )
+    if len(result.get("rounds", [])) > 1:
+        rows.append(
+            f"\nThe legs of round 1 of {len(result['rounds'])} (each round in turn, the order reversed every other "
+            "round); the ratios are the rounds' median. Each round: "
+            + "; ".join(
+                f"{r['worker_over_naive'] or 0:.2f} x naive, {r['worker_over_limit'] or 0:.2f} of the limit, CPU "
+                f"{r['cpu_per_event_ratio'] or 0:.2f}"
+                for r in result["rounds"]
+            )
+            + "."
+        )
     if legs["worker"].get("data_wait_share") is not None:
         rows.append(
             f"\nThe worker's trainer waited for data (and the ranks' vote) "
