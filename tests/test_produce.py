@@ -187,6 +187,29 @@ def test_produce_drift_writes_the_drifting_stream_to_kafka_and_prints_its_bayes_
     assert all(m.key() == b"%d" % r["user_id"] for m, r in zip(messages, records, strict=True))
 
 
+@pytest.mark.integration
+def test_a_sender_behind_its_rate_stamps_events_with_the_time_it_sends_them(kafka, topic_name):
+    """At a rate this machine cannot send, the event times restart from the send time whenever
+    the sender is over a second behind; paced from the start alone, 60,000 events at 10 million
+    a second would all be stamped within 6 ms of the first."""
+    from streamtrain.dev.produce import produce
+    from streamtrain.schema import load_schema, without_logical_types
+
+    said: list[str] = []
+    before_ms = time.time() * 1000
+    produce(kafka.bootstrap_servers, topic_name, 60_000, rate=10_000_000, schema_path=SCHEMA, progress=said.append)
+    after_ms = time.time() * 1000
+    schema = fastavro.parse_schema(without_logical_types(load_schema(SCHEMA)))  # event_time in ms
+    times = [
+        fastavro.schemaless_reader(io.BytesIO(m.value()), schema, None)["event_time"]
+        for m in _read_topic(kafka.bootstrap_servers, topic_name, 60_000)
+    ]
+    assert after_ms - before_ms > 2_000  # the sender was behind: this test means something
+    assert before_ms - 1_000 <= min(times) and max(times) <= after_ms
+    assert max(times) - min(times) >= (after_ms - before_ms) - 2_500  # the times kept up with the sends
+    assert any("event times follow the sends" in line for line in said)
+
+
 def test_produce_refuses_drift_options_without_drift_and_names_the_fix():
     def produce(*args: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-m", "streamtrain", "produce", "--bootstrap-servers", "127.0.0.1:1", *args]

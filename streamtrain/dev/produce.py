@@ -253,6 +253,10 @@ class Truth:
     buy: int
 
 
+# How far a paced sender may fall behind its rate before the pace restarts from now (``produce``).
+_MAX_BEHIND_SECONDS = 1.0
+
+
 def labelled_events(
     stream: ClickStream, encoder: AvroEncoder, count: int, chunk_size: int = 4096
 ) -> Iterator[tuple[bytes, bytes, Truth]]:
@@ -307,8 +311,12 @@ def produce(
     """Write ``count`` synthetic events to ``topic`` (created with ``partitions`` if absent).
 
     ``rate`` (events/s) paces the sends; event times follow the same pace, so they track the
-    wall clock. Keys are user ids, so one user's events stay in one partition, unless
-    ``partition`` sends every event to that one partition (a skewed stream). ``drift`` writes the
+    wall clock. When this machine cannot send at ``rate`` (more than a second behind it), the pace
+    and the event times of the chunks still to be made restart from now, so that an event's time
+    stays about when it was sent and a freshness read from it is the pipeline's, not the sender's
+    shortfall; unless ``start_time_ms`` fixes the times. Keys are user ids, so one user's events
+    stay in one partition, unless ``partition`` sends every event to that one partition (a skewed
+    stream). ``drift`` writes the
     drifting stream instead (``streamtrain.dev.drift``).
     """
     from confluent_kafka import Producer
@@ -344,6 +352,7 @@ def produce(
         stream.start_time_ms = int(time.time() * 1000)
     started = last_report = time.monotonic()
     produced = 0
+    behind = False
     for key, value, truth in labelled_events(stream, encoder, count):
         if should_stop():
             break
@@ -351,6 +360,12 @@ def produce(
             ahead = started + produced / rate - time.monotonic()
             if ahead > 0:
                 time.sleep(ahead)
+            elif ahead < -_MAX_BEHIND_SECONDS and start_time_ms is None:
+                if progress and not behind:
+                    progress(f"this machine sends fewer than {rate:,.0f} events/s: event times follow the sends")
+                behind = True
+                started = time.monotonic() - produced / rate
+                stream.start_time_ms = int(time.time() * 1000 - stream.emitted * 1000 / rate)
         while True:
             try:
                 producer.produce(
