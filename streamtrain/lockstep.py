@@ -47,14 +47,15 @@ Question = tuple[Callable[[], bool], Literal["any", "all"]]
 class Lockstep:
     """The batches one rank trains, in step with every other rank.
 
-    Each step, the ranks all-reduce (events held, batches held, flush due, stop requested,
-    finished, and the answers to ``questions``) on ``group``. A step is taken when any rank holds a
-    batch; a rank without one contributes an empty batch, so every rank enters every collective of
-    the step. Nobody steps when no rank has data: each waits on its own queue for a bounded time
-    and asks again; once ``flush_after_seconds`` have passed since a step that held events, empty
-    steps release the batches the pipeline still holds. A stop (a signal to any rank) or the end
-    of every rank's stream ends the iteration on all ranks at the same step. The iterator never
-    yields None, which TrainPipelineSparseDist would take for the end of the stream.
+    Each step, the ranks sum (events held, batches held, flush due, stop requested, finished, and
+    the answers to ``questions``) on ``group``, by all-gather (``summed_over_ranks``). A step is
+    taken when any rank holds a batch; a rank without one contributes an empty batch, so every rank
+    enters every collective of the step. Nobody steps when no rank has data: each waits on its own
+    queue for a bounded time and asks again; once ``flush_after_seconds`` have passed since a step
+    that held events, empty steps release the batches the pipeline still holds. A stop (a signal to
+    any rank) or the end of every rank's stream ends the iteration on all ranks at the same step.
+    The iterator never yields None, which TrainPipelineSparseDist would take for the end of the
+    stream.
 
     With ``max_events`` (each rank's source reads at most that many itself), the iteration ends on
     all ranks at the first step at which the events stepped over all ranks reach it, or once any
