@@ -159,10 +159,15 @@ GATHER_SUM_MAX_BYTES = 256 << 10
 def summed_over_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``tensor`` summed element-wise over the ranks of ``group``, as an all-reduce would, by an
     all-gather and a local sum (see GATHER_SUM_MAX_BYTES)."""
+    return summing_over_ranks(tensor, group).wait()
+
+
+def summing_over_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future[torch.Tensor]:
+    """``summed_over_ranks``, started: its future holds the sum once every rank's part has arrived."""
     world_size = dist.get_world_size(group)
     gathered = tensor.new_empty(world_size * tensor.numel())  # gloo takes the inputs concatenated
-    dist.all_gather_single(gathered, tensor.reshape(-1), group=group)
-    return gathered.view(world_size, *tensor.shape).sum(0)
+    work = dist.all_gather_single(gathered, tensor.reshape(-1), group=group, async_op=True)
+    return work.get_future().then(lambda _: gathered.view(world_size, *tensor.shape).sum(0))
 
 
 def intra_op_threads(configured: int | None) -> int:

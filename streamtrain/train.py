@@ -34,7 +34,14 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from streamtrain.config import WorkerConfig
 from streamtrain.decode import ClickBatch
-from streamtrain.device import GATHER_SUM_MAX_BYTES, DistEnv, device_memory_bytes, gloo_group, host_memory_bytes
+from streamtrain.device import (
+    GATHER_SUM_MAX_BYTES,
+    DistEnv,
+    device_memory_bytes,
+    gloo_group,
+    host_memory_bytes,
+    summing_over_ranks,
+)
 from streamtrain.idspace import IdSpace, RowResetter, managed_tables
 from streamtrain.metrics import IdSpaceMetrics
 from streamtrain.model import ClickModel
@@ -276,9 +283,7 @@ def _gathered_mean(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.f
     if gradients.numel() * gradients.element_size() > GATHER_SUM_MAX_BYTES:
         return default_hooks.allreduce_hook(group, bucket)
     world_size = dist.get_world_size(group)
-    gathered = gradients.new_empty(world_size * gradients.numel())  # gloo takes the inputs concatenated
-    work = dist.all_gather_single(gathered, gradients, group=group, async_op=True)
-    return work.get_future().then(lambda _: gathered.view(world_size, -1).sum(0).div_(world_size))
+    return summing_over_ranks(gradients, group).then(lambda summed: summed.value().div_(world_size))
 
 
 class Trainer:

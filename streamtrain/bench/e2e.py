@@ -94,29 +94,17 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         produce(broker.bootstrap_servers, "e2e", events, partitions=args.partitions, seed=11, schema_path=SCHEMA)
         rank_events = events_per_rank(broker.bootstrap_servers, "e2e")
         names = ["worker", *(["naive"] if args.baseline else []), *(["limit"] if args.limit else [])]
+        kafka = {"bootstrap": broker.bootstrap_servers, "topic": "e2e", "warm_up": warm_up, "profile": args.profile,
+                 "broker_pid": broker.pid}  # fmt: skip
         for round_ in range(args.rounds):
             legs: dict[str, dict] = {}
             for name in names if round_ % 2 == 0 else names[::-1]:
                 progress(f"{f'round {round_ + 1}/{args.rounds}, ' if args.rounds > 1 else ''}{name}: {LEGS[name]}")
                 if name == "worker":  # a group of its own each round, or it would resume where the last one stopped
-                    legs[name] = worker_leg(
-                        args.config,
-                        broker.bootstrap_servers,
-                        "e2e",
-                        warm_up,
-                        profile=args.profile,
-                        broker_pid=broker.pid,
-                        environment={"STREAMTRAIN_KAFKA__GROUP_ID": f"bench-e2e-{round_}"},
-                    )
+                    group = {"STREAMTRAIN_KAFKA__GROUP_ID": f"bench-e2e-{round_}"}
+                    legs[name] = worker_leg(args.config, **kafka, environment=group)
                 elif name == "naive":
-                    legs[name] = naive_leg(
-                        args.config,
-                        broker.bootstrap_servers,
-                        "e2e",
-                        warm_up,
-                        profile=args.profile,
-                        broker_pid=broker.pid,
-                    )
+                    legs[name] = naive_leg(args.config, **kafka)
                 else:
                     legs[name] = limit_leg(args.config, rank_events, warm_up)
                 progress(f"  {legs[name]['events_per_second']:,.0f} events/s")

@@ -316,8 +316,7 @@ def produce(
     stays about when it was sent and a freshness read from it is the pipeline's, not the sender's
     shortfall; unless ``start_time_ms`` fixes the times. Keys are user ids, so one user's events
     stay in one partition, unless ``partition`` sends every event to that one partition (a skewed
-    stream). ``drift`` writes the
-    drifting stream instead (``streamtrain.dev.drift``).
+    stream). ``drift`` writes the drifting stream instead (``streamtrain.dev.drift``).
     """
     from confluent_kafka import Producer
 
