@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
-from torchrec.models.dlrm import DLRM
+from torchrec.models.dlrm import DLRM, InteractionArch
 
 from streamtrain.config import FeaturesConfig, ModelConfig, TaskConfig
 from streamtrain.decode import ClickBatch
@@ -29,6 +29,27 @@ def embedding_configs(features: FeaturesConfig) -> list[EmbeddingBagConfig]:
         )
         for t in features.owned_tables()
     ]
+
+
+class FlatInteractionArch(InteractionArch):
+    """TorchRec's InteractionArch, the same numbers bit for bit, at less cost: the upper triangle of
+    the pairwise products is picked with ``index_select`` from the products flattened per event,
+    where TorchRec indexes rows and columns with two index tensors, whose backward is an
+    accumulating ``index_put``. At the reference sizes forward and backward take about 0.6 of the
+    time (``streamtrain bench interaction``). The buffers are not persistent: snapshots and served
+    bases are unchanged."""
+
+    def __init__(self, num_sparse_features: int) -> None:
+        super().__init__(num_sparse_features)
+        rows, columns = self.triu_indices
+        self.register_buffer("triu_flat_indices", rows * (self.F + 1) + columns, persistent=False)
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
+        if self.F <= 0:
+            return dense_features
+        combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
+        products = torch.bmm(combined, torch.transpose(combined, 1, 2))
+        return torch.cat((dense_features, products.flatten(1).index_select(1, self.triu_flat_indices)), dim=1)
 
 
 class ClickModel(nn.Module):
@@ -59,6 +80,7 @@ class ClickModel(nn.Module):
         self.dlrm = (
             TargetMatchDLRM(model.target_matches, **dlrm_arguments) if model.target_matches else DLRM(**dlrm_arguments)
         )
+        self.dlrm.inter_arch = FlatInteractionArch(self.dlrm.inter_arch.F)
         if architecture(tasks, model) != "dlrm":
             # DLRM's forward ends in over_arch(interaction): the heads take its place, and the
             # sparse arch, dense arch and interaction stay TorchRec's, shared by every task. One

@@ -55,6 +55,13 @@ _SPARSE_OPTIMIZERS = {
 }
 
 
+def dense_adam(params: Iterable[torch.Tensor], learning_rate: float) -> torch.optim.Adam:
+    """Adam for the dense layers and the data-parallel tables: torch's fused kernel steps every
+    tensor in one call, where the default steps them one by one in Python, four times as long at the
+    reference model's sizes (about a thirtieth of a CPU step). The same update, to rounding, and the same state."""
+    return torch.optim.Adam(params, lr=learning_rate, fused=True)
+
+
 class StepReadout:
     """A step's summed loss and logits, on their way to the host.
 
@@ -317,7 +324,7 @@ class Trainer:
         gather_small_gradients(self.model)
         dense_optimizer = KeyedOptimizerWrapper(
             dict(in_backward_optimizer_filter(self.model.named_parameters())),
-            lambda params: torch.optim.Adam(params, lr=config.model.dense_learning_rate),
+            lambda params: dense_adam(params, config.model.dense_learning_rate),
         )
         self.optimizer = CombinedOptimizer([self.model.fused_optimizer, dense_optimizer])
         self.pipeline = TrainPipelineSparseDist(

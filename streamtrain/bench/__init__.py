@@ -38,6 +38,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "streamtrain.bench.train_step",
         "one nn.EmbeddingBag per feature against the fused TBE path, at several sizes",
     ),
+    "kernels": (
+        "streamtrain.bench.kernels",
+        "the worker's interaction and fused dense Adam against TorchRec's InteractionArch and torch's Adam",
+    ),
     "pipeline": (
         "streamtrain.bench.pipeline",
         "TrainPipelineSparseDist against TrainPipelineBase at 2 ranks, same in-memory batches",

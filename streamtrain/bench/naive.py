@@ -4,10 +4,10 @@ Each rank consumes its partitions (``p % world_size == rank``, assigned explicit
 does) in the training loop itself: no prefetch thread, no overlap of reading, decoding and
 training. Every record is decoded on its own with ``fastavro.schemaless_reader``; features are
 gathered into Python lists and turned into tensors per batch. The model is the worker's DLRM
-(torchrec's DenseArch, InteractionArch and OverArch, the same sizes) over one
+(torchrec's DenseArch and OverArch, the worker's interaction, the same sizes) over one
 ``nn.EmbeddingBag(sparse=True)`` per table. The dense layers are in DDP; the tables' sparse
 gradients are averaged over the ranks by all-gathering the rows each rank touched. torch's Adagrad
-updates the tables and Adam the dense layers. It trains on the worker's device (``init_distributed``
+updates the tables and the worker's Adam the dense layers. It trains on the worker's device (``init_distributed``
 with the config's ``distributed.device``), and reads the clock only after the device's work is done.
 
 Ranks stay in step: before each step they all-reduce (events held, finished); a rank without a
@@ -30,14 +30,16 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torchrec.models.dlrm import DenseArch, InteractionArch, OverArch, choose
+from torchrec.models.dlrm import DenseArch, OverArch, choose
 
 from streamtrain.bench.common import clock
 from streamtrain.bench.record import RunRecorder
 from streamtrain.config import FeaturesConfig, ModelConfig, load_config
 from streamtrain.decode import _as_id_array, map_ids
 from streamtrain.device import init_distributed
+from streamtrain.model import FlatInteractionArch
 from streamtrain.schema import load_schema, without_logical_types
+from streamtrain.train import dense_adam
 
 
 class NaiveDLRM(nn.Module):
@@ -58,7 +60,7 @@ class NaiveDLRM(nn.Module):
             nn.init.uniform_(table.weight, -bound, bound)
         n = len(features.tables)
         self.dense_arch = DenseArch(len(features.dense), list(model.dense_arch_layer_sizes))
-        self.inter_arch = InteractionArch(num_sparse_features=n)
+        self.inter_arch = FlatInteractionArch(num_sparse_features=n)
         self.over_arch = OverArch(dim + choose(n, 2) + n, list(model.over_arch_layer_sizes))
 
     def forward(self, dense: torch.Tensor, ids: list[torch.Tensor], offsets: list[torch.Tensor]) -> torch.Tensor:
@@ -116,7 +118,7 @@ def main() -> None:
     tables = [p for name, p in model.named_parameters() if ".tables." in name]
     dense_params = [p for name, p in model.named_parameters() if ".tables." not in name]
     sparse_optimizer = torch.optim.Adagrad(tables, lr=config.model.sparse_learning_rate)
-    dense_optimizer = torch.optim.Adam(dense_params, lr=config.model.dense_learning_rate)
+    dense_optimizer = dense_adam(dense_params, config.model.dense_learning_rate)
 
     args.record.mkdir(parents=True, exist_ok=True)
     record = RunRecorder(args.record, rank)

@@ -1,0 +1,49 @@
+"""What is trained: the interaction and the dense optimizer compute what TorchRec's and torch's
+defaults compute, bit for bit, so a faster kernel never changes a model."""
+
+import pytest
+import torch
+from torchrec.models.dlrm import InteractionArch
+
+from streamtrain.model import FlatInteractionArch
+from streamtrain.train import dense_adam
+
+
+@pytest.mark.parametrize("features", [0, 1, 16])
+def test_flat_interaction_equals_torchrecs_forward_and_backward(features):
+    torch.manual_seed(features)
+    batch, dim = 64, 8
+    dense = torch.randn(batch, dim, dtype=torch.float64, requires_grad=True)
+    sparse = torch.randn(batch, features, dim, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(batch, dim + features + features * (features - 1) // 2, dtype=torch.float64)
+    gradients = []
+    for arch in (InteractionArch(features), FlatInteractionArch(features)):
+        out = arch(dense, sparse)
+        out.backward(upstream)
+        gradients.append((out.detach(), dense.grad.clone(), None if sparse.grad is None else sparse.grad.clone()))
+        dense.grad = sparse.grad = None
+    (ours, ours_dense, ours_sparse), (theirs, theirs_dense, theirs_sparse) = gradients[1], gradients[0]
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours_dense, theirs_dense)
+    assert (ours_sparse is None and theirs_sparse is None) or torch.equal(ours_sparse, theirs_sparse)
+
+
+def test_flat_interaction_keeps_the_state_dict_torchrecs_has():
+    assert FlatInteractionArch(16).state_dict().keys() == InteractionArch(16).state_dict().keys()
+
+
+def test_dense_adam_takes_the_steps_and_keeps_the_state_of_torchs_default():
+    torch.manual_seed(0)
+    shapes = [(64, 152), (64,), (1, 32), (100, 16)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    optimizers = dense_adam(ours, 0.01), torch.optim.Adam(theirs, lr=0.01)
+    for _ in range(5):
+        for a, b in zip(ours, theirs, strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        for optimizer in optimizers:
+            optimizer.step()
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(ours, theirs, strict=True))
+    ours_state, theirs_state = (o.state_dict()["state"] for o in optimizers)
+    assert {k: set(v) for k, v in ours_state.items()} == {k: set(v) for k, v in theirs_state.items()}
