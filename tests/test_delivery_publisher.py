@@ -106,14 +106,17 @@ def delta_rows(delta: Delta) -> dict[str, set[int]]:
 def test_two_ranks_deltas_equal_the_snapshots_at_their_steps_and_miss_no_changed_row(
     kafka, topic_name, start_ranks, tmp_path
 ):
-    produce(kafka.bootstrap_servers, topic_name, 2500, partitions=PARTITIONS, seed=61, schema_path=SCHEMA)
+    # About 40 steps of 128 events. A snapshot still being written when the next is due starts it a
+    # step late, and every later one with it, off the deltas' steps: 8 steps between them leave a
+    # first save, which a loaded machine writes slowest, the time to finish.
+    produce(kafka.bootstrap_servers, topic_name, 5000, partitions=PARTITIONS, seed=61, schema_path=SCHEMA)
     # A small message limit: every delta is chunked, each chunk below the limit.
     limit = HEADER_ALLOWANCE + 65536
     admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers, "broker.address.family": "v4"})
     created = admin.create_topics([NewTopic(f"{topic_name}.model", 1, 1, config={"max.message.bytes": str(limit)})])
     created[f"{topic_name}.model"].result(timeout=30)
     root = tmp_path / "snapshots"
-    env = delivery_env(root, every_steps=4, STREAMTRAIN_BATCHING__BATCH_SIZE="64", **WIDE)
+    env = delivery_env(root, every_steps=8, STREAMTRAIN_BATCHING__BATCH_SIZE="64", **WIDE)
     ranks = start_ranks(topic_name, 2, "--until-end", env=env)
     assert [r.wait(timeout=240) for r in ranks] == [0, 0], ranks[0].output()[-3000:] + ranks[1].output()[-3000:]
 
