@@ -36,7 +36,7 @@ class FlatInteractionArch(InteractionArch):
     the pairwise products is picked with ``index_select`` from the products flattened per event,
     where TorchRec indexes rows and columns with two index tensors, whose backward is an
     accumulating ``index_put``. At the reference sizes forward and backward take about 0.6 of the
-    time (``streamtrain bench interaction``). The buffers are not persistent: snapshots and served
+    time (``streamtrain bench kernels``). The buffers are not persistent: snapshots and served
     bases are unchanged."""
 
     def __init__(self, num_sparse_features: int) -> None:
@@ -83,7 +83,7 @@ class ClickModel(nn.Module):
         self.dlrm.inter_arch = FlatInteractionArch(self.dlrm.inter_arch.F)
         if architecture(tasks, model) != "dlrm":
             # DLRM's forward ends in over_arch(interaction): the heads take its place, and the
-            # sparse arch, dense arch and interaction stay TorchRec's, shared by every task. One
+            # sparse arch, dense arch and interaction stay DLRM's, shared by every task. One
             # shared_bottom task keeps DLRM's own over arch, and the names its snapshots use.
             width = interaction_size(len(features.tables), features.tables[0].embedding_dim)
             self.dlrm.over_arch = HEADS[model.multitask](width, tasks, model, dense_device)

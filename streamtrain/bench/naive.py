@@ -7,8 +7,9 @@ gathered into Python lists and turned into tensors per batch. The model is the w
 (torchrec's DenseArch and OverArch, the worker's interaction, the same sizes) over one
 ``nn.EmbeddingBag(sparse=True)`` per table. The dense layers are in DDP; the tables' sparse
 gradients are averaged over the ranks by all-gathering the rows each rank touched. torch's Adagrad
-updates the tables and the worker's Adam the dense layers. It trains on the worker's device (``init_distributed``
-with the config's ``distributed.device``), and reads the clock only after the device's work is done.
+updates the tables and the worker's Adam (``dense_adam``) the dense layers. It trains on the
+worker's device (``init_distributed`` with the config's ``distributed.device``), and reads the
+clock only after the device's work is done.
 
 Ranks stay in step: before each step they all-reduce (events held, finished); a rank without a
 batch trains an empty one, so no collective waits forever, and all stop when every rank is done.
