@@ -1,3 +1,3 @@
-from streamtrain.cli import main
+from streamtrain.cli import program
 
-raise SystemExit(main())
+raise SystemExit(program())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -610,3 +611,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"streamtrain: {error}", file=sys.stderr)
         return 2
+
+
+def program() -> int:
+    """``main`` as the ``streamtrain`` program runs it (the console script, ``python -m streamtrain``)."""
+    code = main()
+    # The interpreter's last full collection walks every object torch, TorchRec and numba made: a
+    # 1-rank worker took 1.35 s to exit, 0.25 s without it. Everything is closed and flushed by
+    # now, so cyclic garbage is left to the OS, and a restart, or each torchrun rank, ends sooner.
+    gc.freeze()
+    return code
