@@ -99,6 +99,7 @@ def test_e2e_benchmark_trains_the_topic_with_the_worker_the_naive_loop_and_the_l
             sum(g["cpu_seconds_per_event"] for g in cpu["by_thread"].values())
         )
         assert cpu["by_thread"]["trainer"]["cpu_seconds_per_event"] > 0
+        assert 0 <= cpu["trainer_waiting_share"] < 1
     assert worker["by_thread"]["prefetch"]["cpu_seconds_per_event"] > 0
     assert worker["broker_cpu_seconds_per_event"] > 0  # the broker served the worker's fetches
     assert limit["by_thread"]["librdkafka"]["cpu_seconds_per_event"] == 0  # no Kafka in the limit
@@ -112,10 +113,13 @@ def test_e2e_rounds_report_each_rounds_ratios_and_their_median():
 
     def leg(rate: float, cpu_us: float) -> dict:
         by_thread = {
-            g: {"cpu_seconds_per_event": cpu_us * 1e-6 / len(GROUPS), "share": 1 / len(GROUPS)} for g in GROUPS
-        }
+            g: {"cpu_seconds_per_event": cpu_us * 1e-6 / len(GROUPS), "share": 1 / len(GROUPS),
+                "waiting_for_a_core_seconds_per_event": 1e-6}
+            for g in GROUPS
+        }  # fmt: skip
         cpu = {"cpu_seconds_per_event": cpu_us * 1e-6, "cores_busy": 1.5, "by_thread": by_thread,
-               "broker_cpu_seconds_per_event": 1e-6, "broker_cores_busy": 0.1}  # fmt: skip
+               "broker_cpu_seconds_per_event": 1e-6, "broker_cores_busy": 0.1,
+               "trainer_waiting_share": 0.07}  # fmt: skip
         return {"events_per_second": rate, "events": 1, "seconds": 1.0, "total_events": 10, "device": "cpu", "cpu": cpu}
 
     rounds = [
@@ -134,21 +138,28 @@ def test_e2e_rounds_report_each_rounds_ratios_and_their_median():
     printed = table(result)
     assert "round 3: worker / naive 1.67, worker / limit 0.75" in printed and "worker / limit = 0.80" in printed
     assert "2.00 x naive, 0.80 of the limit, CPU 1.20; 1.50 x naive" in markdown(result)
+    assert "the trainers waited for a core 7% of the time" in printed
+    assert "| trainers runnable, waiting for a core (share of the time) | 7% | 7% | 7% |" in markdown(result)
 
 
-def test_cpu_sampler_splits_a_process_by_its_threads_kernel_names():
-    """A real process with a named busy thread: its CPU lands in that thread's group, per event."""
+def test_cpu_sampler_splits_a_process_by_its_threads_kernel_names_and_sees_them_wait_for_a_core():
+    """A real process with named busy threads: their CPU lands in their group, per event. Three of
+    them pinned to one core, hashing outside the GIL, take turns on it, so each waits for it about
+    two thirds of the time."""
     busy = subprocess.Popen(
         [
             sys.executable,
             "-c",
-            "import threading, time\n"
+            "import hashlib, os, threading, time\n"
             "from streamtrain.threads import PREFETCH, name_this_thread\n"
-            "def spin():\n"
+            "os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+            "block = bytes(1 << 20)\n"
+            "def spin():\n"  # hashing a large block releases the GIL: the threads contend for the core
             "    name_this_thread(PREFETCH)\n"
             "    end = time.monotonic() + 3\n"
-            "    while time.monotonic() < end: pass\n"
-            "t = threading.Thread(target=spin); t.start(); t.join()\n",
+            "    while time.monotonic() < end: hashlib.sha256(block).digest()\n"
+            "ts = [threading.Thread(target=spin) for _ in range(3)]\n"
+            "[t.start() for t in ts]; [t.join() for t in ts]\n",
         ],
         cwd=REPO,
     )
@@ -160,8 +171,13 @@ def test_cpu_sampler_splits_a_process_by_its_threads_kernel_names():
     walls = np.array([s.wall for s in sampler.samples])
     cpu = cpu_per_event(sampler.samples, walls, np.full(walls.size, 10), start=float(walls[0]))
     assert cpu["by_thread"]["prefetch"]["cpu_seconds_per_event"] > 0
-    assert cpu["by_thread"]["prefetch"]["share"] > 0.5  # the main thread only waited for it
+    assert cpu["by_thread"]["prefetch"]["share"] > 0.5  # the main thread only waited for them
     assert cpu["events"] == 10 * (walls.size - 1)
+    prefetch = cpu["by_thread"]["prefetch"]
+    # one core, three spinning threads: for each second of CPU they ran, they waited about two
+    waited = prefetch["waiting_for_a_core_seconds_per_event"] / prefetch["cpu_seconds_per_event"]
+    assert 1.0 < waited < 3.0
+    assert cpu["trainer_waiting_share"] < 0.2  # the main thread was blocked in join, not runnable
 
 
 def test_pipeline_benchmark_runs_both_pipelines_on_two_ranks_and_records_their_device():

@@ -5,6 +5,11 @@
 samples nearest the leg's counted window (``common.throughput``'s: warm-up excluded) over the
 events trained between them, split by thread group (``thread_group``). The ranks' threads are
 told apart by their kernel names (``streamtrain.threads``): the trainer is each rank's main thread.
+
+Beside the CPU, each thread's time spent runnable but waiting for a core (the scheduler's run
+queue, ``/proc/<pid>/task/<tid>/schedstat``): on two cores shared by two ranks, their helper
+threads and a broker, a trainer that waits for a core holds up the other rank at the step's next
+collective.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ def thread_group(pid: int, tid: int, name: str) -> str:
     return "other"
 
 
-def thread_times(pid: int) -> dict[int, tuple[str, float]]:
-    """{tid: (kernel name, user + system CPU seconds)} of every thread of ``pid`` ({} once it is gone)."""
+def thread_times(pid: int) -> dict[int, tuple[str, float, float]]:
+    """{tid: (kernel name, user + system CPU seconds, seconds runnable but waiting for a core)} of
+    every thread of ``pid`` ({} once it is gone)."""
     times = {}
     try:
         tids = os.listdir(f"/proc/{pid}/task")
@@ -47,11 +53,12 @@ def thread_times(pid: int) -> dict[int, tuple[str, float]]:
     for tid in tids:
         try:
             text = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            waited_ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[1])
         except OSError:  # the thread ended between the listing and the read
             continue
         name = text[text.index("(") + 1 : text.rindex(")")]
         fields = text[text.rindex(")") + 2 :].split()
-        times[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / _TICK)
+        times[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / _TICK, waited_ns / 1e9)
     return times
 
 
@@ -77,7 +84,7 @@ def descendants(pid: int) -> list[int]:
 @dataclass
 class CpuSample:
     wall: float  # time.time(), the run record's clock
-    ranks: dict[tuple[int, int], tuple[str, float]]  # (pid, tid) -> (group, CPU seconds so far)
+    ranks: dict[tuple[int, int], tuple[str, float, float]]  # (pid, tid) -> (group, CPU, run-queue seconds so far)
     broker: float  # the broker's CPU seconds so far (0 without one)
 
 
@@ -93,7 +100,7 @@ class CpuSampler:
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
-        self._seen: dict[tuple[int, int], tuple[str, float]] = {}
+        self._seen: dict[tuple[int, int], tuple[str, float, float]] = {}
         self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
 
     def __enter__(self) -> CpuSampler:
@@ -112,16 +119,17 @@ class CpuSampler:
 
     def sample(self) -> None:
         for pid in self.ranks():
-            for tid, (name, seconds) in thread_times(pid).items():
-                self._seen[(pid, tid)] = (thread_group(pid, tid, name), seconds)
-        broker = sum(s for _n, s in thread_times(self.broker_pid).values()) if self.broker_pid else 0.0
+            for tid, (name, seconds, waited) in thread_times(pid).items():
+                self._seen[(pid, tid)] = (thread_group(pid, tid, name), seconds, waited)
+        broker = sum(s for _n, s, _w in thread_times(self.broker_pid).values()) if self.broker_pid else 0.0
         self.samples.append(CpuSample(time.time(), dict(self._seen), broker))
 
 
 def cpu_per_event(samples: list[CpuSample], step_wall: np.ndarray, step_events: np.ndarray, start: float) -> dict:
     """CPU-seconds per trained event between the first sample at or after ``start`` (the counted
     window's start) and the last sample before the last trained step; by thread group, and the
-    broker's apart. Empty when no two samples fall in the window."""
+    broker's apart; and each group's time waiting for a core, per event, with the trainers' share
+    of the window spent so (``trainer_waiting_share``). Empty when no two samples fall in the window."""
     inside = [s for s in samples if start <= s.wall <= float(step_wall[-1])]
     if len(inside) < 2:
         return {}
@@ -130,18 +138,28 @@ def cpu_per_event(samples: list[CpuSample], step_wall: np.ndarray, step_events: 
     if not events:
         return {}
     by_group = dict.fromkeys(GROUPS, 0.0)
-    for key, (group, seconds) in last.ranks.items():
-        by_group[group] += seconds - first.ranks.get(key, (group, 0.0))[1]
+    waiting = dict.fromkeys(GROUPS, 0.0)
+    for key, (group, seconds, waited) in last.ranks.items():
+        _group, seconds_before, waited_before = first.ranks.get(key, (group, 0.0, 0.0))
+        by_group[group] += seconds - seconds_before
+        waiting[group] += waited - waited_before
     ranks = sum(by_group.values())
     wall = last.wall - first.wall
+    trainers = sum(1 for group, _s, _w in last.ranks.values() if group == "trainer")
     return {
         "events": events,
         "seconds": wall,
         "cpu_seconds_per_event": ranks / events,
         "cores_busy": ranks / wall,
         "by_thread": {
-            g: {"cpu_seconds_per_event": s / events, "share": s / ranks if ranks else 0.0} for g, s in by_group.items()
+            g: {
+                "cpu_seconds_per_event": s / events,
+                "share": s / ranks if ranks else 0.0,
+                "waiting_for_a_core_seconds_per_event": waiting[g] / events,
+            }
+            for g, s in by_group.items()
         },
+        "trainer_waiting_share": waiting["trainer"] / (wall * trainers) if trainers else 0.0,
         "broker_cpu_seconds_per_event": (last.broker - first.broker) / events,
         "broker_cores_busy": (last.broker - first.broker) / wall,
     }

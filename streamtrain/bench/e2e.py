@@ -19,7 +19,8 @@ over naive (goal >= 2) and worker over limit (goal >= 0.8).
 
 Each leg also reports its CPU-seconds per trained event over the same window (``bench/cpu.py``):
 every thread of every rank, split by thread (trainer, prefetch, librdkafka, gloo, other), and the
-broker's apart; ``cpu_per_event_ratio`` is the worker's over the limit's (goal <= 1.2). The load
+broker's apart; ``cpu_per_event_ratio`` is the worker's over the limit's (goal <= 1.2). Beside it,
+the share of the time the trainers were runnable but waiting for a core. The load
 average before and after the run says how busy the machine was beside it.
 """
 
@@ -617,6 +618,7 @@ def cpu_lines(result: dict) -> list[str]:
             lines.append(
                 f"  CPU per event, {name}: {_microseconds(cpu['cpu_seconds_per_event'])} on the ranks "
                 f"({cpu['cores_busy']:.2f} cores), broker {_microseconds(cpu['broker_cpu_seconds_per_event'])}"
+                + _waiting_text(cpu)
             )
     if result.get("cpu_per_event_ratio"):
         lines.append(f"  CPU per event, worker / limit = {result['cpu_per_event_ratio']:.2f}   (goal <= 1.2)")
@@ -633,6 +635,12 @@ def cpu_lines(result: dict) -> list[str]:
     if result.get("loadavg"):
         lines.append(f"  load average before {result['loadavg']['before']}, after {result['loadavg']['after']}")
     return lines
+
+
+def _waiting_text(cpu: dict) -> str:
+    if "trainer_waiting_share" not in cpu:  # results from before the run queue was sampled
+        return ""
+    return f"; the trainers waited for a core {100 * cpu['trainer_waiting_share']:.0f}% of the time"
 
 
 def cpu_table(result: dict) -> list[str]:
@@ -661,6 +669,12 @@ def cpu_table(result: dict) -> list[str]:
     rows.append(
         "| broker | " + " | ".join(_microseconds(legs[n]["cpu"]["broker_cpu_seconds_per_event"]) for n in shown) + " |"
     )
+    if all("trainer_waiting_share" in legs[n]["cpu"] for n in shown):
+        rows.append(
+            "| trainers runnable, waiting for a core (share of the time) | "
+            + " | ".join(f"{100 * legs[n]['cpu']['trainer_waiting_share']:.0f}%" for n in shown)
+            + " |"
+        )
     if result.get("cpu_per_event_ratio"):
         rows.append(f"\nCPU per event, worker ÷ limit = **{result['cpu_per_event_ratio']:.2f}** (goal ≤ 1.2).")
     if result.get("loadavg"):
