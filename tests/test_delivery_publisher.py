@@ -151,7 +151,10 @@ def test_two_ranks_deltas_equal_the_snapshots_at_their_steps_and_miss_no_changed
             np.testing.assert_array_equal(piece.values, flat[piece.offset : piece.offset + piece.values.size])
             covered[piece.name] += piece.values.size
         assert covered == {name: model[name].numel() for name in names}
-    assert compared >= 3, f"deltas at {[d.id.step for d in deltas]}, snapshots at {sorted(models)}"
+    # Two at least: a delta still being sent on a loaded machine holds
+    # the next one back, off the snapshots' steps (CI once saw deltas at 9, 29, 32, 39 and 45,
+    # snapshots every 9 steps); the completeness check below covers every interval regardless.
+    assert compared >= 2, f"deltas at {[d.id.step for d in deltas]}, snapshots at {sorted(models)}"
     # Every row arrives whole: a column-wise table's slices, from whichever ranks, cover its width.
     for delta in deltas:
         width: dict[tuple[str, int], int] = {}
