@@ -8,6 +8,7 @@ others, is decided in ``streamtrain.lockstep``.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -109,6 +110,11 @@ class Prefetcher:
             self._ended = True
             return None
         return item
+
+    def waiting(self, limit: int) -> list[int]:
+        """The sizes of up to ``limit`` batches that ``get`` would hand over next, in order."""
+        with self.queue.mutex:  # queue.Queue's own lock over its deque
+            return [item.size for item in itertools.islice(self.queue.queue, limit) if item is not _END]
 
     def _run(self) -> None:
         name_this_thread(PREFETCH)

@@ -16,6 +16,7 @@ import importlib.util
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -164,10 +165,21 @@ def summed_over_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> 
 
 def summing_over_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.futures.Future[torch.Tensor]:
     """``summed_over_ranks``, started: its future holds the sum once every rank's part has arrived."""
+    return _gathering(tensor, group, lambda gathered: gathered.sum(0))
+
+
+def gathered_from_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Every rank's ``tensor`` in ``group``, stacked in rank order: [world size, *tensor.shape]."""
+    return _gathering(tensor, group, lambda gathered: gathered).wait()
+
+
+def _gathering(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, then: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.futures.Future[torch.Tensor]:
     world_size = dist.get_world_size(group)
     gathered = tensor.new_empty(world_size * tensor.numel())  # gloo takes the inputs concatenated
     work = dist.all_gather_single(gathered, tensor.reshape(-1), group=group, async_op=True)
-    return work.get_future().then(lambda _: gathered.view(world_size, *tensor.shape).sum(0))
+    return work.get_future().then(lambda _: then(gathered.view(world_size, *tensor.shape)))
 
 
 def intra_op_threads(configured: int | None) -> int:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from streamtrain.checkpoint import Checkpointer, SnapshotsFailing, StreamState
 from streamtrain.config import WorkerConfig
 from streamtrain.decode import ClickBatch
-from streamtrain.device import summed_over_ranks
+from streamtrain.device import gathered_from_ranks
 
 # How many batches TrainPipelineSparseDist takes ahead of the one it trains.
 PIPELINE_LOOKAHEAD = 2
@@ -39,6 +39,9 @@ class BatchQueue(Protocol):
     def get(self, timeout: float) -> ClickBatch | None:
         """The next decoded batch, or None if none arrived within ``timeout`` seconds."""
 
+    def waiting(self, limit: int) -> list[int]:
+        """The sizes of up to ``limit`` batches that ``get`` would hand over next, in order."""
+
 
 # A question put to every rank at each vote, and how the answers combine: "any" rank, or "all".
 Question = tuple[Callable[[], bool], Literal["any", "all"]]
@@ -47,10 +50,13 @@ Question = tuple[Callable[[], bool], Literal["any", "all"]]
 class Lockstep:
     """The batches one rank trains, in step with every other rank.
 
-    Each step, the ranks sum (events held, batches held, flush due, stop requested, finished, and
-    the answers to ``questions``) on ``group``, by all-gather (``summed_over_ranks``). A step is
-    taken when any rank holds a batch; a rank without one contributes an empty batch, so every rank
-    enters every collective of the step. Nobody steps when no rank has data: each waits on its own
+    The ranks vote on ``group``, by all-gather: each says how many batches it holds (the one it
+    took and those waiting behind it, up to ``STEPS_PER_VOTE``) and their sizes, whether a flush is
+    due, a stop requested, its stream finished, and its answers to ``questions``. A step is taken
+    when any rank holds a batch; a rank without one contributes an empty batch, so every rank
+    enters every collective of the step. When every rank holds several, the vote settles as many
+    steps as the fewest held, with their global sizes: a busy stream votes once every few steps,
+    and a stop or a question waits at most that many. Nobody steps when no rank has data: each waits on its own
     queue for a bounded time and asks again; once ``flush_after_seconds`` have passed since a step
     that held events, empty steps release the batches the pipeline still holds. A stop (a signal to
     any rank) or the end of every rank's stream ends the iteration on all ranks at the same step.
@@ -69,6 +75,9 @@ class Lockstep:
 
     BUSY_WAIT_SECONDS = 0.005
     IDLE_WAIT_SECONDS = 0.1
+    # The vote's all-gather and its wait cost a busy rank about 1 ms of CPU a step (trainer and
+    # gloo threads, 2 ranks on 2 cores); the prefetcher's queue usually holds this many.
+    STEPS_PER_VOTE = 4
 
     def __init__(
         self,
@@ -108,47 +117,68 @@ class Lockstep:
         busy = False
         last_step = self.clock()
         stepped = 0  # events over all ranks: the same on every rank
+        settled: deque[int] = deque()  # the global sizes of steps the last vote settled, not yet taken
         while True:
             if self.max_events is not None and stepped >= self.max_events:
                 return
             self.heartbeat()
-            batch = self.batches.get(self.BUSY_WAIT_SECONDS if busy else self.IDLE_WAIT_SECONDS)
-            flush = any(recent_global_sizes) and self.clock() - last_step >= self.flush_after
-            with torch.profiler.record_function("streamtrain.vote"):
-                global_size, step, stop = self._vote(batch, flush)
-            if stop:
-                return
-            if batch is None and step:
-                batch = self.empty_batch()
-            if batch is None:
-                busy = False
-                continue
+            batch: ClickBatch | None
+            if settled:
+                batch, global_size = self._settled_batch(), settled.popleft()
+            else:
+                batch = self.batches.get(self.BUSY_WAIT_SECONDS if busy else self.IDLE_WAIT_SECONDS)
+                flush = any(recent_global_sizes) and self.clock() - last_step >= self.flush_after
+                with torch.profiler.record_function("streamtrain.vote"):
+                    global_sizes, step, stop = self._vote(batch, flush)
+                if stop:
+                    return
+                if batch is None and step:
+                    batch = self.empty_batch()
+                if batch is None:
+                    busy = False
+                    continue
+                global_size, *later = global_sizes
+                settled.extend(later)
             recent_global_sizes.append(global_size)
             stepped += global_size
             busy = True
             yield batch.in_global_step(global_size, self.world_size)
             last_step = self.clock()
 
-    def _vote(self, batch: ClickBatch | None, flush: bool) -> tuple[int, bool, bool]:
-        """All-reduces this rank's state and keeps the agreed answers. Returns the events all ranks
-        hold, whether to step, and whether to stop.
+    def _settled_batch(self) -> ClickBatch:
+        """A batch the last vote counted as waiting: only this thread takes from the queue."""
+        batch = self.batches.get(self.BUSY_WAIT_SECONDS)
+        if batch is None:
+            raise RuntimeError("a batch the vote counted as waiting was not handed over")
+        return batch
+
+    def _vote(self, batch: ClickBatch | None, flush: bool) -> tuple[list[int], bool, bool]:
+        """Gathers every rank's state and keeps the agreed answers. Returns the global sizes of the
+        steps settled (at least one), whether to step, and whether to stop.
 
         Whether to flush is voted too: each rank's clock says it at a slightly different moment,
         and a rank stepping alone would wait in the pipeline's collectives for ever."""
+        sizes = [0] * self.STEPS_PER_VOTE
+        held = 0
+        if batch is not None:
+            waiting = self.batches.waiting(self.STEPS_PER_VOTE - 1)
+            held = 1 + len(waiting)
+            sizes[:held] = [batch.size, *waiting]
         votes = torch.tensor(
             [
-                batch.size if batch is not None else 0,
-                batch is not None,
+                held,
                 flush,
                 self.batches.stopping.is_set(),
                 self.batches.finished,
                 *(bool(ask()) for ask, _mode in self.questions.values()),
+                *sizes,
             ],
             dtype=torch.int64,
         )
-        if self.world_size > 1:
-            votes = summed_over_ranks(votes, self.group)
-        global_size, batches_held, flushes, stops, finished, *answers = votes.tolist()
+        ranks = gathered_from_ranks(votes, self.group).tolist() if self.world_size > 1 else [votes.tolist()]
+        held_everywhere = min(vote[0] for vote in ranks)
+        batches_held, flushes, stops, finished, *rest = (sum(column) for column in zip(*ranks, strict=True))
+        answers, global_sizes = rest[: len(self.questions)], rest[len(self.questions) :][: max(held_everywhere, 1)]
         self.agreed = {
             name: count > 0 if mode == "any" else count == self.world_size
             for (name, (_ask, mode)), count in zip(self.questions.items(), answers, strict=True)
@@ -156,7 +186,7 @@ class Lockstep:
         step = bool(batches_held or flushes or any(self.agreed.values()))
         # Under max_events a finished rank has read its whole allowance: the others stop with it.
         ended = finished == self.world_size or (self.max_events is not None and finished > 0)
-        return global_size, step, bool(stops) or ended
+        return global_sizes, step, bool(stops) or ended
 
 
 class SnapshotSchedule:

@@ -196,6 +196,22 @@ def _drain(device: torch.device, config, events: list[RawEvent]) -> tuple[list[C
     return handed, decoder
 
 
+def test_the_prefetcher_says_the_sizes_of_the_batches_get_hands_over_next(config, events):
+    prefetcher = Prefetcher(
+        _ListSource(events[:100]),  # type: ignore[arg-type]
+        AvroBatchDecoder(config.features),
+        BatchingConfig(batch_size=40, max_batch_wait_ms=1000, queue_size=8),
+        WorkerMetrics(),
+        _NoRejections(),  # type: ignore[arg-type]
+    ).start()
+    prefetcher.thread.join(30)  # it has queued all three batches and the end
+    assert prefetcher.waiting(2) == [40, 40]
+    assert prefetcher.waiting(8) == [40, 40, 20]  # the end is no batch
+    handed = [prefetcher.get(1.0) for _ in range(3)]
+    assert [b.size for b in handed if b is not None] == [40, 40, 20]
+    assert prefetcher.waiting(8) == [] and prefetcher.get(1.0) is None and prefetcher.finished
+
+
 def test_pin_prefetcher_on_cpu_hands_batches_over_as_decoded(monkeypatch, config, events):
     set_devices: list[object] = []
     monkeypatch.setattr(torch.cuda, "set_device", set_devices.append)

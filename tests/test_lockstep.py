@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 import yaml
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from streamtrain import lockstep
 from streamtrain.checkpoint import StreamState
 from streamtrain.config import parse_config
 from streamtrain.decode import ClickBatch, PartitionSpan
@@ -59,6 +60,7 @@ class FakeQueue:
         self.stopping = threading.Event()
         self.finished = False
         self.waits: list[float] = []
+        self.peeks = 0  # calls of ``waiting``: votes at which this rank held a batch
 
     def get(self, timeout: float) -> ClickBatch | None:
         self.waits.append(timeout)
@@ -72,6 +74,15 @@ class FakeQueue:
         if item is None:
             self.clock.now += timeout * self.pace
         return item
+
+    def waiting(self, limit: int) -> list[int]:
+        self.peeks += 1
+        sizes = []
+        for item in list(self.script)[:limit]:
+            if item is None:
+                break
+            sizes.append(item.size)
+        return sizes
 
 
 def run(script: list[ClickBatch | None], *, questions=None, finish: bool = False) -> tuple[list[ClickBatch], Lockstep]:
@@ -143,6 +154,13 @@ def test_agreed_answers_are_handed_out_once():
         seen.append(steps.take_agreed())
         seen.append(steps.take_agreed())
     assert seen[0] == {"saved": True} and seen[1] == {"saved": False}
+
+
+def test_one_vote_settles_the_batches_held_up_to_its_limit():
+    stepped, steps = run([click_batch(size) for size in range(1, 7)], finish=True)
+    assert [b.global_batch_size for b in stepped] == [1, 2, 3, 4, 5, 6]
+    assert steps.batches.peeks == 2  # steps 1-4 (STEPS_PER_VOTE), then 5-6
+    assert Lockstep.STEPS_PER_VOTE == 4
 
 
 def test_the_end_of_the_stream_ends_the_iteration():
@@ -336,3 +354,42 @@ def test_two_ranks_step_together_when_one_has_data(tmp_path):
     assert [s[2] for s in one["stepped"]] == pytest.approx([2 / 3, 2 / 5, 2.0, 2.0])
     # rank 1 alone asked "due" at the first vote; "any" makes it agreed on both
     assert zero["agreed"][0] and one["agreed"][0] and not any(zero["agreed"][1:])
+
+
+def _settling_rank(rank: int, port: int, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    votes = 0
+    gathered = lockstep.gathered_from_ranks
+
+    def counted(tensor, group):
+        nonlocal votes
+        votes += 1
+        return gathered(tensor, group)
+
+    lockstep.gathered_from_ranks = counted
+    clock = FakeClock()
+    # Six batches each, then rank 0 idles and rank 1 holds one more after a pause.
+    sizes = [1, 2, 3, 4, 5, 6] if rank == 0 else [10, 20, 30, 40, 50, 60]
+    script = [click_batch(s) for s in sizes] + ([None] * 30 if rank == 0 else [None, click_batch(70), *[None] * 20])
+    steps = Lockstep(
+        FakeQueue(script, clock),
+        lambda: click_batch(0),
+        world_size=2,
+        group=dist.new_group(backend="gloo"),
+        flush_after_seconds=FLUSH_AFTER,
+        clock=clock,
+    )
+    stepped = [(batch.size, batch.global_batch_size, float(batch.loss_scale), votes) for batch in steps]
+    torch.save(stepped, f"{out}/rank-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_two_busy_ranks_settle_several_steps_with_one_vote(tmp_path):
+    mp.spawn(_settling_rank, args=(free_port(), str(tmp_path)), nprocs=2)
+    zero, one = (torch.load(tmp_path / f"rank-{rank}.pt") for rank in range(2))
+    assert [s[1] for s in zero] == [s[1] for s in one] == [11, 22, 33, 44, 55, 66, 70, 0, 0]
+    assert [s[0] for s in zero] == [1, 2, 3, 4, 5, 6, 0, 0, 0]
+    assert [s[2] for s in one] == pytest.approx([2 / g for g in (11, 22, 33, 44, 55, 66, 70)] + [2.0, 2.0])
+    # steps 1-4 at the first vote, 5-6 at the second; after that each step has a vote of its own
+    assert [s[3] for s in zero][:6] == [s[3] for s in one][:6] == [1, 1, 1, 1, 2, 2]
+    assert [s[3] for s in zero] == [s[3] for s in one]
