@@ -151,9 +151,10 @@ def gloo_group(world_size: int, timeout_seconds: float) -> dist.ProcessGroup | N
 
 
 # Up to this size a sum over gloo ranks is an all-gather and a local sum: at 2 ranks gloo's
-# all-reduce took 2.8-3.7x the wall time and CPU of the all-gather for the vote's 7 numbers and about
-# 2x for 2k-13k floats, and they broke even near 1 MiB (``bench collectives``), past which the
-# all-reduce wins; the gather also moves and holds world-size times the bytes. Hence the margin.
+# all-reduce took 2-3.7x the wall time and CPU of the all-gather for the vote's 7-10 numbers and
+# 1.4-2.9x for 2k-13k floats, and they broke even between 256 KiB and 1 MiB (``bench collectives``,
+# on two machines), past which the all-reduce wins; the gather also moves and holds world-size
+# times the bytes. Hence the margin.
 GATHER_SUM_MAX_BYTES = 256 << 10
 
 

@@ -56,12 +56,12 @@ class Lockstep:
     when any rank holds a batch; a rank without one contributes an empty batch, so every rank
     enters every collective of the step. When every rank holds several, the vote settles as many
     steps as the fewest held, with their global sizes: a busy stream votes once every few steps,
-    and a stop or a question waits at most that many. Nobody steps when no rank has data: each waits on its own
-    queue for a bounded time and asks again; once ``flush_after_seconds`` have passed since a step
-    that held events, empty steps release the batches the pipeline still holds. A stop (a signal to
-    any rank) or the end of every rank's stream ends the iteration on all ranks at the same step.
-    The iterator never yields None, which TrainPipelineSparseDist would take for the end of the
-    stream.
+    and a stop or a question waits at most that many. Nobody steps when no rank has data: each
+    waits on its own queue for a bounded time and asks again; once ``flush_after_seconds`` have
+    passed since a step that held events, empty steps release the batches the pipeline still
+    holds. A stop (a signal to any rank) or the end of every rank's stream ends the iteration on
+    all ranks at the same step. The iterator never yields None, which TrainPipelineSparseDist
+    would take for the end of the stream.
 
     With ``max_events`` (each rank's source reads at most that many itself), the iteration ends on
     all ranks at the first step at which the events stepped over all ranks reach it, or once any

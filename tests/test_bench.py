@@ -61,7 +61,7 @@ def test_kernels_benchmark_times_each_kernel_against_the_default_it_replaces():
 def test_collectives_benchmark_times_both_sums_at_every_size_on_two_ranks():
     saved, printed = _run_bench("collectives", "--quick")
     assert saved["ranks"] == 2
-    assert saved["sizes"][0]["elements"] == 7  # the vote's size leads
+    assert saved["sizes"][0]["elements"] == 10  # the vote's size leads
     for size in saved["sizes"]:
         for leg in ("all_reduce", "all_gather"):
             assert size["legs"][leg]["wall_us"] > 0 and size["legs"][leg]["cpu_us"] > 0

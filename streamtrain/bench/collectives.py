@@ -1,6 +1,6 @@
 """collectives: a sum over 2 gloo ranks by all-gather and a local sum (``device.summed_over_ranks``,
-what the lockstep's vote and the small DDP buckets use) against gloo's all-reduce, at the vote's
-size, at about the reference model's dense gradient bucket, and up to and past
+what the small DDP buckets use; the lockstep's vote gathers the same way and sums on the host)
+against gloo's all-reduce, at the vote's size, at about the reference model's dense gradient bucket, and up to and past
 ``GATHER_SUM_MAX_BYTES`` (256 KiB).
 
 Both ranks call each collective back to back, alternating the two in rounds. Per call: the wall
@@ -18,7 +18,8 @@ from streamtrain.bench.common import machine
 WORLD_SIZE = 2
 # (what it stands for, dtype, elements)
 SIZES = [
-    ("the lockstep's vote", "int64", 7),
+    # held, flush, stop, finished, the two snapshot questions, and STEPS_PER_VOTE batch sizes
+    ("the lockstep's vote", "int64", 10),
     ("a data-parallel table's bucket", "float32", 2_048),
     ("the reference model's dense bucket", "float32", 13_137),
     ("GATHER_SUM_MAX_BYTES", "float32", 65_536),
