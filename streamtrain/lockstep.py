@@ -56,7 +56,8 @@ class Lockstep:
     when any rank holds a batch; a rank without one contributes an empty batch, so every rank
     enters every collective of the step. When every rank holds several, the vote settles as many
     steps as the fewest held, with their global sizes: a busy stream votes once every few steps,
-    and a stop or a question waits at most that many. Nobody steps when no rank has data: each
+    and a stop or a question waits at most that many. A rank whose stream has ended (``--until-end``)
+    does not count, and steps empty batches meanwhile. Nobody steps when no rank has data: each
     waits on its own queue for a bounded time and asks again; once ``flush_after_seconds`` have
     passed since a step that held events, empty steps release the batches the pipeline still
     holds. A stop (a signal to any rank) or the end of every rank's stream ends the iteration on
@@ -118,13 +119,15 @@ class Lockstep:
         last_step = self.clock()
         stepped = 0  # events over all ranks: the same on every rank
         settled: deque[int] = deque()  # the global sizes of steps the last vote settled, not yet taken
+        holding = False  # whether this rank held batches at the last vote; else its stream has ended
         while True:
             if self.max_events is not None and stepped >= self.max_events:
                 return
             self.heartbeat()
             batch: ClickBatch | None
             if settled:
-                batch, global_size = self._settled_batch(), settled.popleft()
+                global_size = settled.popleft()
+                batch = self._settled_batch() if holding else self.empty_batch()
             else:
                 batch = self.batches.get(self.BUSY_WAIT_SECONDS if busy else self.IDLE_WAIT_SECONDS)
                 flush = any(recent_global_sizes) and self.clock() - last_step >= self.flush_after
@@ -132,6 +135,7 @@ class Lockstep:
                     global_sizes, step, stop = self._vote(batch, flush)
                 if stop:
                     return
+                holding = batch is not None
                 if batch is None and step:
                     batch = self.empty_batch()
                 if batch is None:
@@ -176,9 +180,11 @@ class Lockstep:
             dtype=torch.int64,
         )
         ranks = gathered_from_ranks(votes, self.group).tolist() if self.world_size > 1 else [votes.tolist()]
-        held_everywhere = min(vote[0] for vote in ranks)
+        # A rank whose stream has ended steps empty batches meanwhile, rather than make the busy ones
+        # vote every step. One that merely holds none now may be a moment behind: it is waited for.
+        settles = max(min((vote[0] for vote in ranks if vote[0] or not vote[3]), default=1), 1)
         batches_held, flushes, stops, finished, *rest = (sum(column) for column in zip(*ranks, strict=True))
-        answers, global_sizes = rest[: len(self.questions)], rest[len(self.questions) :][: max(held_everywhere, 1)]
+        answers, global_sizes = rest[: len(self.questions)], rest[len(self.questions) :][:settles]
         self.agreed = {
             name: count > 0 if mode == "any" else count == self.world_size
             for (name, (_ask, mode)), count in zip(self.questions.items(), answers, strict=True)

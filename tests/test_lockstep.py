@@ -317,8 +317,22 @@ def test_without_checkpoints_trained_positions_are_committed_every_log_interval(
 # --- the vote on 2 real ranks ------------------------------------------------------------------
 
 
+def _count_votes() -> list[int]:
+    """From now on, this process's votes (the lockstep's all-gathers) are counted in the list's one item."""
+    votes = [0]
+    gathered = lockstep.gathered_from_ranks
+
+    def counted(tensor, group):
+        votes[0] += 1
+        return gathered(tensor, group)
+
+    lockstep.gathered_from_ranks = counted
+    return votes
+
+
 def _vote_rank(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    votes = _count_votes()
     clock = FakeClock()
     # Rank 0 holds two batches then idles; rank 1 has nothing and stops after 30 polls. Their clocks
     # run at different paces, so each would see the flush due at a different vote.
@@ -336,8 +350,7 @@ def _vote_rank(rank: int, port: int, out: str) -> None:
     )
     stepped, agreed = [], []
     for batch in steps:
-        # len(queue.waits) counts the votes so far: stepping together means at the same vote
-        stepped.append((batch.size, batch.global_batch_size, float(batch.loss_scale), len(queue.waits)))
+        stepped.append((batch.size, batch.global_batch_size, float(batch.loss_scale), votes[0]))
         agreed.append(steps.take_agreed()["due"])
     torch.save({"stepped": stepped, "agreed": agreed}, f"{out}/rank-{rank}.pt")
     dist.destroy_process_group()
@@ -346,8 +359,10 @@ def _vote_rank(rank: int, port: int, out: str) -> None:
 def test_two_ranks_step_together_when_one_has_data(tmp_path):
     mp.spawn(_vote_rank, args=(free_port(), str(tmp_path)), nprocs=2)
     zero, one = (torch.load(tmp_path / f"rank-{rank}.pt") for rank in range(2))
-    # the same steps at the same votes on both ranks; the idle rank contributes empty batches
+    # the same steps at the same votes on both ranks; the idle rank contributes empty batches, and
+    # is waited for at each vote: its next batch may be a moment away
     assert [s[3] for s in zero["stepped"]] == [s[3] for s in one["stepped"]]
+    assert [s[3] for s in zero["stepped"]][:2] == [1, 2]
     assert [s[1] for s in zero["stepped"]] == [s[1] for s in one["stepped"]] == [3, 5, 0, 0]
     assert [s[0] for s in zero["stepped"]] == [3, 5, 0, 0]
     assert [s[0] for s in one["stepped"]] == [0, 0, 0, 0]
@@ -358,38 +373,33 @@ def test_two_ranks_step_together_when_one_has_data(tmp_path):
 
 def _settling_rank(rank: int, port: int, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    votes = 0
-    gathered = lockstep.gathered_from_ranks
-
-    def counted(tensor, group):
-        nonlocal votes
-        votes += 1
-        return gathered(tensor, group)
-
-    lockstep.gathered_from_ranks = counted
+    votes = _count_votes()
     clock = FakeClock()
-    # Six batches each, then rank 0 idles and rank 1 holds one more after a pause.
+    # Six batches each, then rank 0's stream ends and rank 1 holds three more after a pause.
     sizes = [1, 2, 3, 4, 5, 6] if rank == 0 else [10, 20, 30, 40, 50, 60]
-    script = [click_batch(s) for s in sizes] + ([None] * 30 if rank == 0 else [None, click_batch(70), *[None] * 20])
+    tail = [] if rank == 0 else [None, *(click_batch(s) for s in (70, 80, 90)), *[None] * 20]
+    script = [click_batch(s) for s in sizes] + tail
     steps = Lockstep(
-        FakeQueue(script, clock),
+        FakeQueue(script, clock, finish=rank == 0),
         lambda: click_batch(0),
         world_size=2,
         group=dist.new_group(backend="gloo"),
         flush_after_seconds=FLUSH_AFTER,
         clock=clock,
     )
-    stepped = [(batch.size, batch.global_batch_size, float(batch.loss_scale), votes) for batch in steps]
+    stepped = [(batch.size, batch.global_batch_size, float(batch.loss_scale), votes[0]) for batch in steps]
     torch.save(stepped, f"{out}/rank-{rank}.pt")
     dist.destroy_process_group()
 
 
-def test_two_busy_ranks_settle_several_steps_with_one_vote(tmp_path):
+def test_one_vote_settles_the_steps_every_rank_with_a_stream_holds(tmp_path):
     mp.spawn(_settling_rank, args=(free_port(), str(tmp_path)), nprocs=2)
     zero, one = (torch.load(tmp_path / f"rank-{rank}.pt") for rank in range(2))
-    assert [s[1] for s in zero] == [s[1] for s in one] == [11, 22, 33, 44, 55, 66, 70, 0, 0]
-    assert [s[0] for s in zero] == [1, 2, 3, 4, 5, 6, 0, 0, 0]
-    assert [s[2] for s in one] == pytest.approx([2 / g for g in (11, 22, 33, 44, 55, 66, 70)] + [2.0, 2.0])
-    # steps 1-4 at the first vote, 5-6 at the second; after that each step has a vote of its own
-    assert [s[3] for s in zero][:6] == [s[3] for s in one][:6] == [1, 1, 1, 1, 2, 2]
+    assert [s[1] for s in zero] == [s[1] for s in one] == [11, 22, 33, 44, 55, 66, 70, 80, 90, 0, 0]
+    assert [s[0] for s in zero] == [1, 2, 3, 4, 5, 6, 0, 0, 0, 0, 0]
+    assert [s[2] for s in one] == pytest.approx([2 / g for g in (11, 22, 33, 44, 55, 66, 70, 80, 90)] + [2.0, 2.0])
+    # steps 1-4 at the first vote, 5-6 at the second, 7-9 at one more (rank 0, its stream ended,
+    # stepping empty batches); the flush's steps have a vote each
     assert [s[3] for s in zero] == [s[3] for s in one]
+    votes = [s[3] for s in zero]
+    assert votes[:6] == [1, 1, 1, 1, 2, 2] and votes[6] == votes[7] == votes[8] < votes[9] < votes[10]
