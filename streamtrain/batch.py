@@ -23,7 +23,7 @@ from streamtrain.deadletter import Rejections
 from streamtrain.decode import AvroBatchDecoder, ClickBatch
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.source import EventBatch, KafkaSource
-from streamtrain.threads import PREFETCH, name_this_thread
+from streamtrain.threads import PREFETCH, name_this_thread, yield_wakeups_to_the_trainer
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class Prefetcher:
 
     def _run(self) -> None:
         name_this_thread(PREFETCH)
+        yield_wakeups_to_the_trainer()
         try:
             if self.device.type == "cuda":  # pinned memory is allocated through the current device's context
                 torch.cuda.set_device(self.device)

@@ -1,4 +1,5 @@
-"""OS thread names, so that ``top -H``, py-spy and ``bench e2e``'s CPU split tell a rank's threads apart.
+"""OS thread names, so that ``top -H``, py-spy and ``bench e2e``'s CPU split tell a rank's threads
+apart; and the scheduling policy of a rank's helper threads.
 
 Python 3.11 names threads for Python only; the kernel's name (``comm``, at most 15 bytes) is what
 every tool outside the interpreter sees, and a new native thread inherits its creator's. librdkafka
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 PREFETCH = "st-prefetch"
@@ -23,3 +25,12 @@ def name_this_thread(name: str) -> None:
     """Sets the calling thread's kernel name (cut to 15 bytes); does nothing off Linux."""
     if _libc is not None:
         _libc.prctl(_PR_SET_NAME, name.encode()[: _NAME_BYTES - 1], 0, 0, 0)
+
+
+def yield_wakeups_to_the_trainer() -> None:
+    """Runs the calling thread under SCHED_BATCH: the same fair share of the cores, but its wakeups
+    do not preempt the thread on a core. A helper thread waking (a queue slot freed, a fetch
+    arrived) in the middle of a trainer's step would hold every rank up at the step's next
+    collective. Does nothing where the policy is not offered."""
+    if hasattr(os, "SCHED_BATCH"):
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))  # 0: this thread, on Linux

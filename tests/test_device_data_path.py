@@ -5,6 +5,7 @@ snapshot staging chosen per device. What only a GPU can show is listed in the RE
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from pathlib import Path
@@ -210,6 +211,23 @@ def test_the_prefetcher_says_the_sizes_of_the_batches_get_hands_over_next(config
     handed = [prefetcher.get(1.0) for _ in range(3)]
     assert [b.size for b in handed if b is not None] == [40, 40, 20]
     assert prefetcher.waiting(8) == [] and prefetcher.get(1.0) is None and prefetcher.finished
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="SCHED_BATCH is Linux's")
+def test_the_prefetch_thread_alone_runs_as_a_batch_thread(config, events):
+    prefetcher = Prefetcher(
+        _ListSource(events),  # type: ignore[arg-type]
+        AvroBatchDecoder(config.features),
+        BatchingConfig(batch_size=40, max_batch_wait_ms=1000, queue_size=1),
+        WorkerMetrics(),
+        _NoRejections(),  # type: ignore[arg-type]
+    ).start()
+    try:
+        assert prefetcher.get(10.0) is not None  # the thread has started, and waits on the full queue
+        assert os.sched_getscheduler(prefetcher.thread.native_id) == os.SCHED_BATCH
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the trainer's thread keeps its policy
+    finally:
+        prefetcher.join(5)
 
 
 def test_pin_prefetcher_on_cpu_hands_batches_over_as_decoded(monkeypatch, config, events):
