@@ -182,7 +182,7 @@ class Lockstep:
         ranks = gathered_from_ranks(votes, self.group).tolist() if self.world_size > 1 else [votes.tolist()]
         # A rank whose stream has ended steps empty batches meanwhile, rather than make the busy ones
         # vote every step. One that merely holds none now may be a moment behind: it is waited for.
-        settles = max(min((vote[0] for vote in ranks if vote[0] or not vote[3]), default=1), 1)
+        settles = max(min((held for held, _flush, _stop, ended, *_ in ranks if held or not ended), default=1), 1)
         batches_held, flushes, stops, finished, *rest = (sum(column) for column in zip(*ranks, strict=True))
         answers, global_sizes = rest[: len(self.questions)], rest[len(self.questions) :][:settles]
         self.agreed = {

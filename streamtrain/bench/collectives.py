@@ -1,7 +1,7 @@
 """collectives: a sum over 2 gloo ranks by all-gather and a local sum (``device.summed_over_ranks``,
 what the small DDP buckets use; the lockstep's vote gathers the same way and sums on the host)
-against gloo's all-reduce, at the vote's size, at about the reference model's dense gradient bucket, and up to and past
-``GATHER_SUM_MAX_BYTES`` (256 KiB).
+against gloo's all-reduce, at the vote's size, at about the reference model's dense gradient
+bucket, and up to and past ``GATHER_SUM_MAX_BYTES`` (256 KiB).
 
 Both ranks call each collective back to back, alternating the two in rounds. Per call: the wall
 time (the slower rank's) and the CPU time of the whole process (the caller and gloo's threads),
