@@ -23,6 +23,7 @@ from streamtrain.config import ConfigError, parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.deltas import Assembler, Delta, DeltaId, DensePiece, RowPiece
 from streamtrain.delivery.publisher import (
+    EBC_PATH,
     PRUNE_SECONDS,
     RETRY_MAX_SECONDS,
     BaseExports,
@@ -154,6 +155,42 @@ def test_a_failed_delivery_is_retried_while_training_goes_on_and_nothing_is_lost
     assert stream.delivery == DeliveryPosition(4, 12)
     assert metrics.delta_failures._value.get() == target.failures > 0
     assert metrics.deltas_published._value.get() == 2
+
+
+def test_a_data_parallel_tables_deltas_carry_the_rows_its_optimizer_moved_without_a_lookup(tmp_path):
+    """The planner replicates small tables (data_parallel) and Adam updates them, which moves every
+    row with momentum left, looked up or not: the deltas must still add up to the trained state."""
+    config = config_for(tmp_path, delta_interval_steps=1, delta_interval_seconds=3600)
+    trainer = Trainer(config, init_distributed())
+    replicated = [t for t, p in trainer.plan.plan[EBC_PATH].items() if p.sharding_type == "data_parallel"]
+    assert "age_level" in replicated, trainer.plan
+    records = ClickStream(8, 0).chunk(1024).records
+    for record in records[512:]:  # the last two batches look up one age_level row, the first two all of them
+        record["age_level"] = 3
+    encoder, decoder = AvroEncoder(SCHEMA), AvroBatchDecoder(config.features)
+    events = [RawEvent(0, i, encoder.encode(r), 0) for i, r in enumerate(records)]
+    batches = [decoder.decode(events[i : i + 256]).batch for i in range(0, len(events), 256)]
+    weight = lambda table: trainer.model.state_dict()[f"{EBC_PATH}.embedding_bags.{table}.weight"]  # noqa: E731
+    replica = {table: weight(table).detach().clone() for table in replicated}
+    stream, target = StreamState(), FlakyTarget()
+    target.reachable.set()
+    publisher = Publisher(config, trainer.model, trainer.plan, 0, 1, None, None, stream, lambda: 0, target=target)
+    publisher.bases = None
+    stream.delivery = DeliveryPosition(chain=1, next_sequence=0)
+    for result in trainer.train(iter(batches)):
+        stream.step = result.step
+        publisher.record(result.batch.sparse_features)
+        assert publisher.done.wait(10)
+        publisher.act({"delta": publisher.due(), "delta_sent": publisher.sent()})
+    publisher.stop_deltas(clean=True, seconds=10)
+    publisher.close(clean=True, seconds=10)
+    assert [d.id.step for d in target.delivered] == [1, 3, 4]
+    for delta in target.delivered:
+        for piece in delta.rows:
+            if piece.table in replica:
+                replica[piece.table][torch.from_numpy(piece.ids)] = torch.from_numpy(piece.values)
+    for table in replicated:
+        torch.testing.assert_close(replica[table], weight(table).detach(), rtol=0, atol=0, msg=table)
 
 
 def test_the_directory_target_writes_the_parts_then_the_marker(tmp_path):

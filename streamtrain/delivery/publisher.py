@@ -125,19 +125,23 @@ class TouchedIds:
 
 def local_rows(state: dict[str, Any], plan: ShardingPlan, rank: int, ids: dict[str, np.ndarray]) -> list[RowPiece]:
     """Copies of the rows ``ids`` of every table, as far as this rank holds them: the columns of
-    its own shards (table-wise: the whole table; column-wise: its column slices), and on rank 0 the
-    replicated (data-parallel) tables. ``state`` is the DMP's state dict: its sharded tables are
+    its own shards (table-wise: the whole table; column-wise: its column slices), and on rank 0
+    every row of the replicated (data-parallel) tables. ``state`` is the DMP's state dict: its sharded tables are
     DTensors over the fused kernel's own weights, so they hold the optimizer's latest update. The
     shards' offsets come from the plan; DTensor's own local offsets are not reliable for these."""
     pieces = []
     for table, wanted in ids.items():
-        if not len(wanted):
-            continue
         weight = state[f"{EBC_PATH}.embedding_bags.{table}.weight"]
         spec = plan.plan[EBC_PATH][table].sharding_spec
-        if spec is None:  # data parallel: every rank holds all of it
+        if spec is None:
+            # Data parallel: every rank holds all of it, a torch parameter stepped by the dense
+            # optimizer, whose momentum moves rows no batch looked up. The planner replicates only
+            # small tables, so every delta carries the whole table.
             if rank == 0:
-                pieces.append(RowPiece(table, wanted, 0, _rows(weight, torch.from_numpy(wanted))))
+                every = np.arange(weight.shape[0], dtype=np.int64)
+                pieces.append(RowPiece(table, every, 0, _rows(weight, torch.from_numpy(every))))
+            continue
+        if not len(wanted):
             continue
         mine = [shard for shard in spec.shards if shard.placement is not None and shard.placement.rank() == rank]
         if not mine:
