@@ -2,7 +2,8 @@
 
 Sparse parameters are updated by fbgemm's fused optimizer inside the backward pass
 (``apply_optimizer_in_backward``); dense parameters by a torch optimizer behind
-``KeyedOptimizerWrapper``. Both sit in one ``CombinedOptimizer`` for the pipeline.
+``KeyedOptimizerWrapper``, which skips a step in which no rank trained an event. Both sit in one
+``CombinedOptimizer`` for the pipeline.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -293,6 +294,22 @@ def _gathered_mean(group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.f
     return summing_over_ranks(gradients, group).then(lambda summed: summed.value().div_(world_size))
 
 
+class DenseOptimizer(KeyedOptimizerWrapper):
+    """The dense layers' and data-parallel tables' optimizer, which skips a step in which no rank
+    trained an event. Adam moves every parameter with momentum left even where its gradient is zero,
+    so the steps of empty batches on every rank (the lockstep's flushes, or its votes on a quiet
+    stream) would otherwise go on changing the model with no data. Every rank sees the same global
+    batch size, so all skip the same steps."""
+
+    def __init__(self, params: dict[str, torch.Tensor], learning_rate: float, trains_events: Callable[[], bool]):
+        super().__init__(params, lambda tensors: dense_adam(tensors, learning_rate))
+        self.trains_events = trains_events
+
+    def step(self, closure: Any = None) -> None:
+        if self.trains_events():
+            super().step(closure)
+
+
 class Trainer:
     def __init__(self, config: WorkerConfig, env: DistEnv, id_space_metrics: IdSpaceMetrics | None = None):
         self.env = env
@@ -322,9 +339,14 @@ class Trainer:
             env=ShardingEnv(env.world_size, env.rank, dist.group.WORLD, output_dtensor=True),
         )
         gather_small_gradients(self.model)
-        dense_optimizer = KeyedOptimizerWrapper(
+        # The batches the pipeline has taken and not yet returned, oldest (the one it trains) first.
+        self.taken: deque[ClickBatch] = deque()
+        dense_optimizer = DenseOptimizer(
             dict(in_backward_optimizer_filter(self.model.named_parameters())),
-            lambda params: dense_adam(params, config.model.dense_learning_rate),
+            config.model.dense_learning_rate,
+            # No batch in the pipeline: the zero-gradient step KeyedOptimizer.init_state takes to
+            # create the state a restore fills, which must go ahead.
+            lambda: not self.taken or self.taken[0].global_batch_size > 0,
         )
         self.optimizer = CombinedOptimizer([self.model.fused_optimizer, dense_optimizer])
         self.pipeline = TrainPipelineSparseDist(
@@ -350,7 +372,8 @@ class Trainer:
         """Train every batch ``batches`` yields, in order; one result per trained batch."""
         # The pipeline holds up to three batches and returns the output of the oldest, so the
         # batches it has taken and not yet returned form a FIFO beside it.
-        taken: deque[ClickBatch] = deque()
+        taken = self.taken
+        taken.clear()
         waited = 0.0
 
         def feed() -> Iterator[ClickBatch]:

@@ -10,9 +10,12 @@ import sys
 import time
 
 import pytest
+import torch
 
 from conftest import REPO, SCHEMA, committed_offsets, cpu_seconds, end_offsets
+from streamtrain.checkpoint import list_snapshots
 from streamtrain.dev.produce import produce
+from test_delivery_publisher import snapshot_models
 
 pytestmark = pytest.mark.integration
 
@@ -89,6 +92,31 @@ def test_idle_rank_metrics_stay_finite_and_idle_gaps_do_not_spin(kafka, topic_na
     assert trained_by_partition(ranks) == {1: 2000, 2: 2000}
     ranks[0].signal(signal.SIGINT)
     assert [r.wait(timeout=30) for r in ranks] == [0, 0]
+
+
+def test_an_idle_stream_leaves_the_model_as_its_last_event_left_it(kafka, topic_name, start_ranks, tmp_path):
+    # On a quiet stream the ranks still step empty batches: the lockstep's flushes, and its votes
+    # on the snapshots due every second. Adam's momentum must not move the model at those steps.
+    produce(kafka.bootstrap_servers, topic_name, 3000, partitions=PARTITIONS, seed=17, schema_path=SCHEMA)
+    root = tmp_path / "snapshots"
+    settings = {
+        "STREAMTRAIN_CHECKPOINT__PATH": str(root),
+        "STREAMTRAIN_CHECKPOINT__INTERVAL_SECONDS": "1",
+        "STREAMTRAIN_CHECKPOINT__KEEP_LAST": "1000",
+    }
+    ranks = start_ranks(topic_name, 2, env=settings)
+    ranks[0].wait_for(lambda: sum(trained_by_partition(ranks).values()) >= 3000, timeout=180, what="3000 events")
+    time.sleep(6.0)
+    ranks[0].signal(signal.SIGINT)
+    assert [r.wait(timeout=60) for r in ranks] == [0, 0], ranks[0].output()[-3000:] + ranks[1].output()[-3000:]
+
+    idle = [s for s in list_snapshots(str(root)) if sum(s.metadata["stream"]["trained"].values()) == 3000]
+    assert len({s.step for s in idle}) >= 3, [(s.step, s.metadata["stream"]["trained"]) for s in idle]
+    models = snapshot_models(root, tmp_path)
+    first, *later = sorted(s.step for s in idle)
+    for step in later:
+        for name, value in models[first].items():
+            assert torch.equal(models[step][name], value), f"{name} moved between steps {first} and {step}, idle"
 
 
 def test_signal_to_one_rank_mid_stream_stops_all(kafka, topic_name, start_ranks, live_producer):

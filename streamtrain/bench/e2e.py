@@ -383,6 +383,9 @@ def limit_rank(config: str, rank_events: list[int], min_seconds: float) -> dict:
     empty = AvroBatchDecoder(worker_config.features, tasks=worker_config.tasks()).decode([]).batch
     batches = synthetic_batches(worker_config, full[env.rank], seed=11 + env.rank)
     batches += [empty] * (max(full) - full[env.rank])
+    # Each step's events over both ranks, as the lockstep tells the worker's batches.
+    global_sizes = [size * sum(step < batches_of_rank for batches_of_rank in full) for step in range(max(full))]
+    batches = [b.in_global_step(events, env.world_size) for b, events in zip(batches, global_sizes, strict=True)]
     trainer = Trainer(worker_config, env)
     step_wall: list[float] = []
     step_events: list[int] = []
