@@ -300,13 +300,20 @@ def test_device_step_readouts_match_the_eager_reading_batch_by_batch(config, une
     results = list(trainer.train(iter(uneven_batches)))
 
     eager = Trainer(config, env)  # the same seed: the same weights; read as the old code did
-    source = iter(uneven_batches)
+
+    def taken_as_train_takes_them():  # the FIFO tells the dense optimizer which batch it steps
+        for batch in uneven_batches:
+            eager.taken.append(batch)
+            yield batch
+
+    source = taken_as_train_takes_them()
     expected = []
     while True:
         try:
             loss_sum, logits, labels = eager.pipeline.progress(source)
         except StopIteration:
             break
+        eager.taken.popleft()
         expected.append((float(loss_sum), logits, labels))
 
     assert [r.batch for r in results] == uneven_batches
