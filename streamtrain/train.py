@@ -8,12 +8,14 @@ Sparse parameters are updated by fbgemm's fused optimizer inside the backward pa
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -310,6 +312,28 @@ class DenseOptimizer(KeyedOptimizerWrapper):
             super().step(closure)
 
 
+# Python's collector runs whenever 700 more container objects were made than freed, whichever
+# thread made them: the prefetch thread's Kafka messages set it off every batch or so, at a
+# different moment on each rank, and the other rank waits out the pause at the step's next
+# collective. While training, automatic collection is off and the ranks collect together, every
+# GC_INTERVAL_STEPS steps (TorchTitan's ``gc_freq`` does the same), in full every GC_FULL_EVERY-th
+# time, for the cycles that outlived two collections.
+GC_INTERVAL_STEPS = 50
+GC_FULL_EVERY = 100
+
+
+@contextmanager
+def collecting_only_between_steps() -> Iterator[None]:
+    """Python's automatic collection off; the training loop collects at its chosen steps."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class Trainer:
     def __init__(self, config: WorkerConfig, env: DistEnv, id_space_metrics: IdSpaceMetrics | None = None):
         self.env = env
@@ -359,6 +383,7 @@ class Trainer:
             enqueue_batch_after_forward=True,
         )
         self.step = 0
+        self.gc_interval_steps = GC_INTERVAL_STEPS
         # Managed tables get rows from the id space just before the pipeline takes each batch;
         # the rows a batch's step gave away start fresh just before that batch's forward pass.
         self.id_space: IdSpace | None = None
@@ -391,15 +416,18 @@ class Trainer:
                 yield batch
 
         source = feed()
-        while True:
-            started, waited = time.perf_counter(), 0.0
-            try:
-                with torch.profiler.record_function("streamtrain.step"):
-                    loss_sum, logits, _labels = self.pipeline.progress(source)
-            except StopIteration:
-                return
-            self.step += 1
-            if self.id_space is not None:
-                self.id_space.trained()
-            readout = StepReadout(loss_sum, logits)
-            yield StepResult(self.step, taken.popleft(), readout, time.perf_counter() - started, waited)
+        with collecting_only_between_steps():
+            while True:
+                started, waited = time.perf_counter(), 0.0
+                try:
+                    with torch.profiler.record_function("streamtrain.step"):
+                        loss_sum, logits, _labels = self.pipeline.progress(source)
+                except StopIteration:
+                    return
+                self.step += 1
+                if self.id_space is not None:
+                    self.id_space.trained()
+                if self.step % self.gc_interval_steps == 0:
+                    gc.collect(2 if self.step % (self.gc_interval_steps * GC_FULL_EVERY) == 0 else 1)
+                readout = StepReadout(loss_sum, logits)
+                yield StepResult(self.step, taken.popleft(), readout, time.perf_counter() - started, waited)

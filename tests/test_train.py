@@ -1,11 +1,13 @@
 """The train stage on real TorchRec: planner, DMP, fused optimizer, TrainPipelineSparseDist (1 rank)."""
 
+import gc
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from streamtrain import train
 from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
@@ -72,3 +74,31 @@ def test_every_table_is_trained_and_an_empty_batch_changes_nothing(config, batch
         name: p.sharding_type for name, p in trainer.plan.plan["dlrm.sparse_arch.embedding_bag_collection"].items()
     }
     assert "table_wise" in sharding.values()
+
+
+def test_while_training_the_collector_runs_only_every_few_steps_and_in_full_every_few_of_those(
+    config, batches, monkeypatch
+):
+    real, _decoder = batches
+    trainer = Trainer(config, init_distributed())
+    trainer.gc_interval_steps = 2
+    monkeypatch.setattr(train, "GC_FULL_EVERY", 3)
+    collections: list[tuple[int, int]] = []  # (the step just trained, generation)
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":
+            collections.append((trainer.step, info["generation"]))
+
+    gc.callbacks.append(record)
+    try:
+        for _result in trainer.train(iter(real + real)):
+            assert not gc.isenabled()
+            while_training = list(collections)
+            # Ten times what sets the collector off when it is on, and a cycle for it to find.
+            cycles = [[] for _ in range(7000)]
+            cycles[0].append(cycles)
+            del cycles
+    finally:
+        gc.callbacks.remove(record)
+    assert gc.isenabled()  # again, once training is over
+    assert while_training == [(2, 1), (4, 1), (6, 2), (8, 1), (10, 1), (12, 2), (14, 1), (16, 1)]
