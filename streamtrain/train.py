@@ -383,7 +383,6 @@ class Trainer:
             enqueue_batch_after_forward=True,
         )
         self.step = 0
-        self.gc_interval_steps = GC_INTERVAL_STEPS
         # Managed tables get rows from the id space just before the pipeline takes each batch;
         # the rows a batch's step gave away start fresh just before that batch's forward pass.
         self.id_space: IdSpace | None = None
@@ -427,7 +426,7 @@ class Trainer:
                 self.step += 1
                 if self.id_space is not None:
                     self.id_space.trained()
-                if self.step % self.gc_interval_steps == 0:
-                    gc.collect(2 if self.step % (self.gc_interval_steps * GC_FULL_EVERY) == 0 else 1)
+                if self.step % GC_INTERVAL_STEPS == 0:
+                    gc.collect(2 if self.step % (GC_INTERVAL_STEPS * GC_FULL_EVERY) == 0 else 1)
                 readout = StepReadout(loss_sum, logits)
                 yield StepResult(self.step, taken.popleft(), readout, time.perf_counter() - started, waited)

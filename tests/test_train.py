@@ -81,7 +81,7 @@ def test_while_training_the_collector_runs_only_every_few_steps_and_in_full_ever
 ):
     real, _decoder = batches
     trainer = Trainer(config, init_distributed())
-    trainer.gc_interval_steps = 2
+    monkeypatch.setattr(train, "GC_INTERVAL_STEPS", 2)
     monkeypatch.setattr(train, "GC_FULL_EVERY", 3)
     collections: list[tuple[int, int]] = []  # (the step just trained, generation)
 
