@@ -3,11 +3,13 @@ counts, streamtrain/target_match.py), with a head per task."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
-from torchrec.models.dlrm import DLRM, InteractionArch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
+from torchrec.models.dlrm import DLRM, InteractionArch, SparseArch
 
 from streamtrain.config import FeaturesConfig, ModelConfig, TaskConfig
 from streamtrain.decode import ClickBatch
@@ -52,6 +54,52 @@ class FlatInteractionArch(InteractionArch):
         return torch.cat((dense_features, products.flatten(1).index_select(1, self.triu_flat_indices)), dim=1)
 
 
+class _Permute(torch.autograd.Function):
+    """``values.index_select(1, order)`` for a permutation ``order``; its backward is the gather by
+    the inverse permutation, where index_select's would zero a tensor and scatter-add into it."""
+
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.inverse = inverse
+        return values.index_select(1, order)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad.index_select(1, ctx.inverse), None, None
+
+
+_ORDERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def pooled_in_order(embeddings: KeyedTensor, names: list[str], dim: int) -> torch.Tensor:
+    """The pooled embeddings as [B, features, dim], the features in the order of ``names``."""
+    keys, values = embeddings.keys(), embeddings.values()
+    pooled = values.view(values.shape[0], len(keys), dim)
+    if keys == names:
+        return pooled
+    cached = (tuple(keys), tuple(names), values.device)
+    if cached not in _ORDERS:
+        order = torch.tensor([keys.index(name) for name in names], device=values.device)
+        _ORDERS[cached] = order, torch.argsort(order)
+    return _Permute.apply(pooled, *_ORDERS[cached])
+
+
+# TrainPipelineSparseDist traces the model with torch.fx; the order is read from the sharded
+# collection's output, which a trace cannot look into: one node.
+torch.fx.wrap("pooled_in_order")
+
+
+class OrderedSparseArch(SparseArch):
+    """TorchRec's SparseArch, the same numbers, at less cost. A sharded collection's pooled
+    embeddings come grouped by sharding type and rank; SparseArch puts them back in the tables'
+    order with a slice per feature and a cat of them all, and autograd undoes that with a cat of
+    the slices' gradients. Here that is one gather each way, and no copy at all when the order is
+    already the tables' (an unsharded collection, as served)."""
+
+    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
+        return pooled_in_order(self.embedding_bag_collection(features), self.sparse_feature_names, self.D)
+
+
 class ClickModel(nn.Module):
     """DLRM: tables -> pooled embeddings, an MLP over dense features, pairwise interaction, then a
     logit per task: DLRM's own over arch for one task with shared_bottom, else the heads of
@@ -80,6 +128,7 @@ class ClickModel(nn.Module):
         self.dlrm = (
             TargetMatchDLRM(model.target_matches, **dlrm_arguments) if model.target_matches else DLRM(**dlrm_arguments)
         )
+        self.dlrm.sparse_arch = OrderedSparseArch(self.dlrm.sparse_arch.embedding_bag_collection)
         self.dlrm.inter_arch = FlatInteractionArch(self.dlrm.inter_arch.F)
         if architecture(tasks, model) != "dlrm":
             # DLRM's forward ends in over_arch(interaction): the heads take its place, and the

@@ -3,9 +3,11 @@ defaults compute, bit for bit, so a faster kernel never changes a model."""
 
 import pytest
 import torch
-from torchrec.models.dlrm import InteractionArch
+from torchrec import EmbeddingBagConfig
+from torchrec.models.dlrm import InteractionArch, SparseArch
 
-from streamtrain.model import FlatInteractionArch
+from streamtrain.bench.kernels import RegroupedEmbeddings
+from streamtrain.model import FlatInteractionArch, OrderedSparseArch
 from streamtrain.train import dense_adam
 
 
@@ -30,6 +32,28 @@ def test_flat_interaction_equals_torchrecs_forward_and_backward(features):
 
 def test_flat_interaction_keeps_the_state_dict_torchrecs_has():
     assert FlatInteractionArch(16).state_dict().keys() == InteractionArch(16).state_dict().keys()
+
+
+def test_ordered_sparse_arch_equals_torchrecs_in_a_sharded_order_and_copies_nothing_in_the_tables_order():
+    torch.manual_seed(0)
+    batch, dim = 32, 4
+    tables = [
+        EmbeddingBagConfig(name=f"t{i}", feature_names=[f"f{i}"], num_embeddings=9, embedding_dim=dim) for i in range(5)
+    ]
+    tables[1].feature_names.append("shares_t1")
+    names = [name for table in tables for name in table.feature_names]
+    upstream = torch.randn(batch, len(names), dim)
+    for order in (["f3", "f0", "shares_t1", "f4", "f1", "f2"], names):
+        pooled = torch.randn(batch, len(names) * dim, requires_grad=True)
+        results = []
+        for arch in (SparseArch, OrderedSparseArch):
+            out = arch(RegroupedEmbeddings(tables, order, pooled))(None)
+            out.backward(upstream)
+            results.append((out.detach(), pooled.grad.clone()))
+            pooled.grad = None
+        (theirs, theirs_grad), (ours, ours_grad) = results
+        assert torch.equal(ours, theirs) and torch.equal(ours_grad, theirs_grad)
+    assert ours.data_ptr() == pooled.data_ptr()  # in the tables' order: a view, not a copy
 
 
 def test_dense_adam_takes_the_steps_and_keeps_the_state_of_torchs_default():

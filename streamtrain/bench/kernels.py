@@ -1,10 +1,12 @@
 """kernels: the model's own kernels against the defaults they replace, at the config's sizes, on one
 CPU thread. The interaction: TorchRec's ``InteractionArch`` against ``model.FlatInteractionArch``,
-forward and backward over a batch of ``batching.batch_size`` events. The dense optimizer: torch's
-default ``Adam`` against ``train.dense_adam`` (fused), one step over the dense layers' parameters
-of the configured model. The two legs of each alternate in rounds; the ratio is the default's CPU
-time over the replacement's: above 1, the replacement is faster. Both compute the same numbers
-(tests/test_model.py)."""
+forward and backward over a batch of ``batching.batch_size`` events. The sparse arch: TorchRec's
+``SparseArch`` against ``model.OrderedSparseArch``, putting a batch's pooled embeddings back in the
+tables' order from the order a sharded collection gives them in (``RegroupedEmbeddings``), forward
+and backward. The dense optimizer: torch's default ``Adam`` against ``train.dense_adam`` (fused),
+one step over the dense layers' parameters of the configured model. The two legs of each
+alternate in rounds; the ratio is the default's CPU time over the replacement's: above 1, the
+replacement is faster. Both compute the same numbers (tests/test_model.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,23 @@ import argparse
 import time
 from collections.abc import Callable
 
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
+
 from streamtrain.bench.common import machine
+
+
+class RegroupedEmbeddings(EmbeddingBagCollection):
+    """An EmbeddingBagCollection whose forward gives ``values`` as its pooled embeddings, keyed in
+    ``order`` rather than the tables' order, as a sharded collection's come (grouped by sharding
+    type and rank): what the sparse arch does after the lookup, alone."""
+
+    def __init__(self, tables: list[EmbeddingBagConfig], order: list[str], values: torch.Tensor):
+        super().__init__(tables=tables)
+        self.order, self.values = order, values
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        return KeyedTensor(self.order, [self.values.shape[1] // len(self.order)] * len(self.order), self.values)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,11 +39,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
-    import torch
-    from torchrec.models.dlrm import InteractionArch
+    from torchrec.models.dlrm import InteractionArch, SparseArch
 
     from streamtrain.config import load_config
-    from streamtrain.model import ClickModel, FlatInteractionArch
+    from streamtrain.model import ClickModel, FlatInteractionArch, OrderedSparseArch, embedding_configs
     from streamtrain.train import dense_adam
 
     torch.set_num_threads(1)
@@ -39,6 +56,18 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
 
     def interaction(arch: torch.nn.Module) -> Callable[[], object]:
         return lambda: arch(dense, sparse).backward(upstream)
+
+    tables = embedding_configs(config.features)
+    names = [name for table in tables for name in table.feature_names]
+    # Every other feature, then the rest: as far from the tables' order as a sharded collection's
+    # (each rank's table-wise tables, then the data-parallel ones), and the same for any config.
+    order = names[::2] + names[1::2]
+    pooled = torch.randn(batch, len(names) * dim, requires_grad=True)
+    downstream = torch.randn(batch, len(names), dim)
+
+    def sparse_arch(arch: type[SparseArch]) -> Callable[[], object]:
+        module = arch(RegroupedEmbeddings(tables, order, pooled))
+        return lambda: module(None).backward(downstream)
 
     model = ClickModel(config.features, config.model, config.tasks(), torch.device("cpu"))
     shapes = [p.shape for name, p in model.named_parameters() if "embedding_bags" not in name]
@@ -57,6 +86,13 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
             {
                 "default": ("torchrec InteractionArch", interaction(InteractionArch(features))),
                 "ours": ("FlatInteractionArch", interaction(FlatInteractionArch(features))),
+            },
+        ),
+        "sparse_arch": (
+            f"forward and backward, {batch:,} events, {len(names)} features of dim {dim}, from a sharded order",
+            {
+                "default": ("torchrec SparseArch", sparse_arch(SparseArch)),
+                "ours": ("OrderedSparseArch", sparse_arch(OrderedSparseArch)),
             },
         ),
         "dense_adam": (
