@@ -1,6 +1,7 @@
 """Benchmarks run in quick mode once, to prove they work; their figures are judged by people, not here."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO, SMALL_CONFIG
-from streamtrain.bench.cpu import GROUPS, CpuSampler, cpu_per_event
+from streamtrain.bench.cpu import GROUPS, CpuSample, CpuSampler, cpu_per_event, stolen_seconds
 
 
 @pytest.fixture(autouse=True)
@@ -179,6 +180,17 @@ def test_cpu_sampler_splits_a_process_by_its_threads_kernel_names_and_sees_them_
     waited = prefetch["waiting_for_a_core_seconds_per_event"] / prefetch["cpu_seconds_per_event"]
     assert 1.0 < waited < 3.0
     assert cpu["trainer_waiting_share"] < 0.2  # the main thread was blocked in join, not runnable
+    assert 0.0 <= cpu["stolen_share"] <= 1.0  # this machine's own /proc/stat, whatever its host did
+
+
+def test_the_hosts_steal_is_the_share_of_all_cores_taken_over_the_counted_window():
+    ranks = {(1, 1): ("trainer", 0.0, 0.0)}
+    cores = os.cpu_count()
+    later = {(1, 1): ("trainer", 1.0, 0.0)}
+    samples = [CpuSample(100.0, ranks, 0.0, stolen=7.0), CpuSample(102.0, later, 0.0, stolen=7.0 + cores)]
+    cpu = cpu_per_event(samples, np.array([101.0, 102.0]), np.array([10, 10]), start=100.0)
+    assert cpu["stolen_share"] == pytest.approx(0.5)  # one core's worth of the two seconds, on every core
+    assert stolen_seconds() <= stolen_seconds()
 
 
 def test_pipeline_benchmark_runs_both_pipelines_on_two_ranks_and_records_their_device():

@@ -10,6 +10,10 @@ Beside the CPU, each thread's time spent runnable but waiting for a core (the sc
 queue, ``/proc/<pid>/task/<tid>/schedstat``): on two cores shared by two ranks, their helper
 threads and a broker, a trainer that waits for a core holds up the other rank at the step's next
 collective.
+
+And the machine's steal time (``/proc/stat``): CPU time the hypervisor gave to other guests while
+this one's cores wanted to run. On a shared host it can take half the cores for minutes, and a
+leg that ran then is slower for no reason in the code.
 """
 
 from __future__ import annotations
@@ -62,6 +66,13 @@ def thread_times(pid: int) -> dict[int, tuple[str, float, float]]:
     return times
 
 
+def stolen_seconds() -> float:
+    """CPU-seconds the hypervisor has taken from this machine's cores since boot, all cores."""
+    # The first line: cpu user nice system idle iowait irq softirq steal ...
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    return int(fields[8]) / _TICK
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below ``pid``, children of any of its threads included."""
     found, todo = [], [pid]
@@ -86,6 +97,7 @@ class CpuSample:
     wall: float  # time.time(), the run record's clock
     ranks: dict[tuple[int, int], tuple[str, float, float]]  # (pid, tid) -> (group, CPU, run-queue seconds so far)
     broker: float  # the broker's CPU seconds so far (0 without one)
+    stolen: float  # stolen_seconds()
 
 
 @dataclass
@@ -122,14 +134,15 @@ class CpuSampler:
             for tid, (name, seconds, waited) in thread_times(pid).items():
                 self._seen[(pid, tid)] = (thread_group(pid, tid, name), seconds, waited)
         broker = sum(s for _n, s, _w in thread_times(self.broker_pid).values()) if self.broker_pid else 0.0
-        self.samples.append(CpuSample(time.time(), dict(self._seen), broker))
+        self.samples.append(CpuSample(time.time(), dict(self._seen), broker, stolen_seconds()))
 
 
 def cpu_per_event(samples: list[CpuSample], step_wall: np.ndarray, step_events: np.ndarray, start: float) -> dict:
     """CPU-seconds per trained event between the first sample at or after ``start`` (the counted
     window's start) and the last sample before the last trained step; by thread group, and the
     broker's apart; and each group's time waiting for a core, per event, with the trainers' share
-    of the window spent so (``trainer_waiting_share``). Empty when no two samples fall in the window."""
+    of the window spent so (``trainer_waiting_share``); and the share of the machine's cores the
+    hypervisor took meanwhile (``stolen_share``). Empty when no two samples fall in the window."""
     inside = [s for s in samples if start <= s.wall <= float(step_wall[-1])]
     if len(inside) < 2:
         return {}
@@ -162,6 +175,7 @@ def cpu_per_event(samples: list[CpuSample], step_wall: np.ndarray, step_events: 
         "trainer_waiting_share": waiting["trainer"] / (wall * trainers) if trainers else 0.0,
         "broker_cpu_seconds_per_event": (last.broker - first.broker) / events,
         "broker_cores_busy": (last.broker - first.broker) / wall,
+        "stolen_share": (last.stolen - first.stolen) / (wall * (os.cpu_count() or 1)),
     }
 
 

@@ -150,6 +150,7 @@ def ratios(legs: dict[str, dict]) -> dict:
                 "events_per_second": rate[name],
                 "total_events": leg.get("total_events"),
                 "cpu_seconds_per_event": cpu[name],
+                "stolen_share": leg.get("cpu", {}).get("stolen_share"),
             }
             for name, leg in legs.items()
         },
@@ -540,6 +541,7 @@ def table(result: dict) -> str:
             lines.append(
                 f"  round {i}: worker / naive {r['worker_over_naive'] or 0:.2f}, worker / limit "
                 f"{r['worker_over_limit'] or 0:.2f}, CPU per event worker / limit {r['cpu_per_event_ratio'] or 0:.2f}"
+                + _stolen_by_leg(r["legs"])
             )
     if result.get("worker_over_naive"):
         lines.append(f"  worker / naive = {result['worker_over_naive']:.2f}   (goal >= 2)")
@@ -643,7 +645,18 @@ def cpu_lines(result: dict) -> list[str]:
 def _waiting_text(cpu: dict) -> str:
     if "trainer_waiting_share" not in cpu:  # results from before the run queue was sampled
         return ""
-    return f"; the trainers waited for a core {100 * cpu['trainer_waiting_share']:.0f}% of the time"
+    text = f"; the trainers waited for a core {100 * cpu['trainer_waiting_share']:.0f}% of the time"
+    if "stolen_share" in cpu:
+        text += f"; the host took {100 * cpu['stolen_share']:.0f}% of the machine's cores (steal)"
+    return text
+
+
+def _stolen_by_leg(legs: dict[str, dict]) -> str:
+    """The share of the cores the host took during each leg, where it was measured."""
+    stolen = {name: leg["stolen_share"] for name, leg in legs.items() if leg.get("stolen_share") is not None}
+    if not stolen:
+        return ""
+    return "; steal " + ", ".join(f"{name} {100 * share:.0f}%" for name, share in stolen.items())
 
 
 def cpu_table(result: dict) -> list[str]:
@@ -676,6 +689,12 @@ def cpu_table(result: dict) -> list[str]:
         rows.append(
             "| trainers runnable, waiting for a core (share of the time) | "
             + " | ".join(f"{100 * legs[n]['cpu']['trainer_waiting_share']:.0f}%" for n in shown)
+            + " |"
+        )
+    if all("stolen_share" in legs[n]["cpu"] for n in shown):
+        rows.append(
+            "| the host's steal (share of the machine's cores) | "
+            + " | ".join(f"{100 * legs[n]['cpu']['stolen_share']:.0f}%" for n in shown)
             + " |"
         )
     if result.get("cpu_per_event_ratio"):
