@@ -623,7 +623,7 @@ def cpu_lines(result: dict) -> list[str]:
             lines.append(
                 f"  CPU per event, {name}: {_microseconds(cpu['cpu_seconds_per_event'])} on the ranks "
                 f"({cpu['cores_busy']:.2f} cores), broker {_microseconds(cpu['broker_cpu_seconds_per_event'])}"
-                + _waiting_text(cpu)
+                + _contention_text(cpu)
             )
     if result.get("cpu_per_event_ratio"):
         lines.append(f"  CPU per event, worker / limit = {result['cpu_per_event_ratio']:.2f}   (goal <= 1.2)")
@@ -642,7 +642,8 @@ def cpu_lines(result: dict) -> list[str]:
     return lines
 
 
-def _waiting_text(cpu: dict) -> str:
+def _contention_text(cpu: dict) -> str:
+    """What kept a leg from its cores: the trainers' wait for one, and the host's steal."""
     if "trainer_waiting_share" not in cpu:  # results from before the run queue was sampled
         return ""
     text = f"; the trainers waited for a core {100 * cpu['trainer_waiting_share']:.0f}% of the time"
