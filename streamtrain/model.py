@@ -33,13 +33,45 @@ def embedding_configs(features: FeaturesConfig) -> list[EmbeddingBagConfig]:
     ]
 
 
+def _upper_products(combined: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """[B, pairs]: the dot products of each event's rows of ``combined`` ([B, n, dim]) at the
+    flat positions ``pairs`` of its n x n products."""
+    return torch.bmm(combined, combined.transpose(1, 2)).flatten(1).index_select(1, pairs)
+
+
+class _UpperProducts(torch.autograd.Function):
+    """``_upper_products`` with the backward written for it. Autograd's would zero the n x n
+    products' gradient and scatter-add into it, then add the two products' gradients, one of them
+    transposed: a strided add, several times as slow as a contiguous one. Here the picked positions
+    are copied into the zeros, and the gradient is that matrix times ``combined`` plus its
+    transpose times ``combined``, both contiguous."""
+
+    @staticmethod
+    def forward(ctx: Any, combined: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(combined, pairs)
+        return _upper_products(combined, pairs)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        combined, pairs = ctx.saved_tensors
+        batch, n, _dim = combined.shape
+        picked = grad.new_zeros(batch, n * n).index_copy_(1, pairs, grad).view(batch, n, n)
+        return torch.baddbmm(torch.bmm(picked, combined), picked.transpose(1, 2), combined), None
+
+
+def _interaction(dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
+    """The dense features, then the products of the pairs of [dense, sparse features] at ``pairs``."""
+    combined = torch.cat((dense.unsqueeze(1), sparse), dim=1)
+    upper = _UpperProducts.apply if torch.is_grad_enabled() else _upper_products  # export traces the plain ops
+    return torch.cat((dense, upper(combined, pairs)), dim=1)
+
+
 class FlatInteractionArch(InteractionArch):
-    """TorchRec's InteractionArch, the same numbers bit for bit, at less cost: the upper triangle of
-    the pairwise products is picked with ``index_select`` from the products flattened per event,
+    """TorchRec's InteractionArch, the same forward bit for bit, at less cost: the upper triangle
+    of the pairwise products is picked with ``index_select`` from the products flattened per event,
     where TorchRec indexes rows and columns with two index tensors, whose backward is an
-    accumulating ``index_put``. At the reference sizes forward and backward take about 0.6 of the
-    time (``streamtrain bench kernels``). The buffers are not persistent: snapshots and served
-    bases are unchanged."""
+    accumulating ``index_put``; and the backward is ``_UpperProducts``'. The buffers are not
+    persistent: snapshots and served bases are unchanged."""
 
     def __init__(self, num_sparse_features: int) -> None:
         super().__init__(num_sparse_features)
@@ -49,55 +81,58 @@ class FlatInteractionArch(InteractionArch):
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if self.F <= 0:
             return dense_features
-        combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
-        products = torch.bmm(combined, torch.transpose(combined, 1, 2))
-        return torch.cat((dense_features, products.flatten(1).index_select(1, self.triu_flat_indices)), dim=1)
+        return _interaction(dense_features, sparse_features, self.triu_flat_indices)
 
 
-class _Permute(torch.autograd.Function):
-    """``values.index_select(1, order)`` for a permutation ``order``; its backward is the gather by
-    the inverse permutation, where index_select's would zero a tensor and scatter-add into it."""
-
-    @staticmethod
-    def forward(ctx: Any, values: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
-        ctx.inverse = inverse
-        return values.index_select(1, order)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return grad.index_select(1, ctx.inverse), None, None
+_PAIRS: dict[tuple, torch.Tensor] = {}
 
 
-_ORDERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def pooled_in_order(embeddings: KeyedTensor, names: list[str], dim: int) -> torch.Tensor:
-    """The pooled embeddings as [B, features, dim], the features in the order of ``names``."""
+def interaction_by_name(
+    dense: torch.Tensor, embeddings: KeyedTensor, names: list[str], triu_flat_indices: torch.Tensor
+) -> torch.Tensor:
+    """``FlatInteractionArch`` over pooled embeddings in any order: the pairs of the features in the
+    order of ``names`` are picked where ``embeddings``' order puts them (the products are symmetric,
+    so either of a pair's two positions will do)."""
     keys, values = embeddings.keys(), embeddings.values()
-    pooled = values.view(values.shape[0], len(keys), dim)
+    sparse = values.view(values.shape[0], len(keys), dense.shape[1])
     if keys == names:
-        return pooled
+        return _interaction(dense, sparse, triu_flat_indices)
     cached = (tuple(keys), tuple(names), values.device)
-    if cached not in _ORDERS:
-        order = torch.tensor([keys.index(name) for name in names], device=values.device)
-        _ORDERS[cached] = order, torch.argsort(order)
-    return _Permute.apply(pooled, *_ORDERS[cached])
+    if cached not in _PAIRS:
+        n = len(keys) + 1
+        row = [0] + [1 + keys.index(name) for name in names]  # combined's row of each table-order row
+        _PAIRS[cached] = torch.tensor(
+            [row[int(flat) // n] * n + row[int(flat) % n] for flat in triu_flat_indices], device=values.device
+        )
+    return _interaction(dense, sparse, _PAIRS[cached])
 
 
 # TrainPipelineSparseDist traces the model with torch.fx; the order is read from the sharded
 # collection's output, which a trace cannot look into: one node.
-torch.fx.wrap("pooled_in_order")
+torch.fx.wrap("interaction_by_name")
 
 
-class OrderedSparseArch(SparseArch):
-    """TorchRec's SparseArch, the same numbers, at less cost. A sharded collection's pooled
-    embeddings come grouped by sharding type and rank; SparseArch puts them back in the tables'
-    order with a slice per feature and a cat of them all, and autograd undoes that with a cat of
-    the slices' gradients. Here that is one gather each way, and no copy at all when the order is
-    already the tables' (an unsharded collection, as served)."""
+class KeyedSparseArch(SparseArch):
+    """TorchRec's SparseArch, less its reorder: the pooled embeddings stay a KeyedTensor in the
+    collection's order, which a sharded collection groups by sharding type and rank. SparseArch
+    puts them back in the tables' order with a slice per feature and a cat, and autograd undoes
+    that with another cat; ``KeyedInteractionArch`` picks its pairs where they are instead."""
 
-    def forward(self, features: KeyedJaggedTensor) -> torch.Tensor:
-        return pooled_in_order(self.embedding_bag_collection(features), self.sparse_feature_names, self.D)
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        return self.embedding_bag_collection(features)
+
+
+class KeyedInteractionArch(FlatInteractionArch):
+    """``FlatInteractionArch`` over ``KeyedSparseArch``'s output: TorchRec's numbers in the
+    forward, bit for bit, and in the backward to rounding (a sharded order sums each feature's
+    gradient over the others in another order)."""
+
+    def __init__(self, sparse_feature_names: list[str]) -> None:
+        super().__init__(len(sparse_feature_names))
+        self.sparse_feature_names = list(sparse_feature_names)
+
+    def forward(self, dense_features: torch.Tensor, sparse_features: KeyedTensor) -> torch.Tensor:
+        return interaction_by_name(dense_features, sparse_features, self.sparse_feature_names, self.triu_flat_indices)
 
 
 class ClickModel(nn.Module):
@@ -128,8 +163,8 @@ class ClickModel(nn.Module):
         self.dlrm = (
             TargetMatchDLRM(model.target_matches, **dlrm_arguments) if model.target_matches else DLRM(**dlrm_arguments)
         )
-        self.dlrm.sparse_arch = OrderedSparseArch(self.dlrm.sparse_arch.embedding_bag_collection)
-        self.dlrm.inter_arch = FlatInteractionArch(self.dlrm.inter_arch.F)
+        self.dlrm.sparse_arch = KeyedSparseArch(self.dlrm.sparse_arch.embedding_bag_collection)
+        self.dlrm.inter_arch = KeyedInteractionArch(self.dlrm.sparse_arch.sparse_feature_names)
         if architecture(tasks, model) != "dlrm":
             # DLRM's forward ends in over_arch(interaction): the heads take its place, and the
             # sparse arch, dense arch and interaction stay DLRM's, shared by every task. One

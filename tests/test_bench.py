@@ -52,12 +52,12 @@ def test_train_step_benchmark_runs_both_paths_on_the_workers_device_and_reports_
 
 def test_kernels_benchmark_times_each_kernel_against_the_default_it_replaces():
     saved, printed = _run_bench("kernels", "--quick")
-    assert set(saved["kernels"]) == {"interaction", "sparse_arch", "dense_adam"}
+    assert set(saved["kernels"]) == {"interaction", "sharded_order", "dense_adam"}
     for kernel in saved["kernels"].values():
         assert kernel["default_us"] > 0 and kernel["ours_us"] > 0
         assert kernel["ratio"] == kernel["default_us"] / kernel["ours_us"]
     assert "torchrec InteractionArch" in printed and "FlatInteractionArch" in printed
-    assert "torchrec SparseArch" in printed and "OrderedSparseArch" in printed
+    assert "torchrec SparseArch, InteractionArch" in printed and "KeyedSparseArch, KeyedInteractionArch" in printed
 
 
 def test_collectives_benchmark_times_both_sums_at_every_size_on_two_ranks():

@@ -1,5 +1,5 @@
 """What is trained: the interaction and the dense optimizer compute what TorchRec's and torch's
-defaults compute, bit for bit, so a faster kernel never changes a model."""
+defaults compute, bit for bit or to rounding, so a faster kernel never changes a model."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from torchrec import EmbeddingBagConfig
 from torchrec.models.dlrm import InteractionArch, SparseArch
 
 from streamtrain.bench.kernels import RegroupedEmbeddings
-from streamtrain.model import FlatInteractionArch, OrderedSparseArch
+from streamtrain.model import FlatInteractionArch, KeyedInteractionArch, KeyedSparseArch
 from streamtrain.train import dense_adam
 
 
@@ -34,7 +34,9 @@ def test_flat_interaction_keeps_the_state_dict_torchrecs_has():
     assert FlatInteractionArch(16).state_dict().keys() == InteractionArch(16).state_dict().keys()
 
 
-def test_ordered_sparse_arch_equals_torchrecs_in_a_sharded_order_and_copies_nothing_in_the_tables_order():
+def test_keyed_archs_compute_torchrecs_numbers_from_a_sharded_order_and_the_tables_order():
+    """The forward bit for bit; the backward to rounding, since a sharded order sums each feature's
+    gradient over the others in another order."""
     torch.manual_seed(0)
     batch, dim = 32, 4
     tables = [
@@ -42,18 +44,23 @@ def test_ordered_sparse_arch_equals_torchrecs_in_a_sharded_order_and_copies_noth
     ]
     tables[1].feature_names.append("shares_t1")
     names = [name for table in tables for name in table.feature_names]
-    upstream = torch.randn(batch, len(names), dim)
+    dense = torch.randn(batch, dim, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(batch, dim + len(names) * (len(names) + 1) // 2, dtype=torch.float64)
     for order in (["f3", "f0", "shares_t1", "f4", "f1", "f2"], names):
-        pooled = torch.randn(batch, len(names) * dim, requires_grad=True)
+        pooled = torch.randn(batch, len(names) * dim, dtype=torch.float64, requires_grad=True)
         results = []
-        for arch in (SparseArch, OrderedSparseArch):
-            out = arch(RegroupedEmbeddings(tables, order, pooled))(None)
+        for sparse_arch, inter_arch in (
+            (SparseArch, InteractionArch(len(names))),
+            (KeyedSparseArch, KeyedInteractionArch(names)),
+        ):
+            out = inter_arch(dense, sparse_arch(RegroupedEmbeddings(tables, order, pooled))(None))
             out.backward(upstream)
-            results.append((out.detach(), pooled.grad.clone()))
-            pooled.grad = None
-        (theirs, theirs_grad), (ours, ours_grad) = results
-        assert torch.equal(ours, theirs) and torch.equal(ours_grad, theirs_grad)
-    assert ours.data_ptr() == pooled.data_ptr()  # in the tables' order: a view, not a copy
+            results.append((out.detach(), dense.grad.clone(), pooled.grad.clone()))
+            dense.grad = pooled.grad = None
+        (theirs, *their_grads), (ours, *our_grads) = results
+        assert torch.equal(ours, theirs), order
+        for our_grad, their_grad in zip(our_grads, their_grads, strict=True):
+            torch.testing.assert_close(our_grad, their_grad, rtol=1e-12, atol=1e-12, msg=lambda m, o=order: f"{o}: {m}")
 
 
 def test_dense_adam_takes_the_steps_and_keeps_the_state_of_torchs_default():

@@ -1,9 +1,10 @@
 """kernels: the model's own kernels against the defaults they replace, at the config's sizes, on one
 CPU thread. The interaction: TorchRec's ``InteractionArch`` against ``model.FlatInteractionArch``,
-forward and backward over a batch of ``batching.batch_size`` events. The sparse arch: TorchRec's
-``SparseArch`` against ``model.OrderedSparseArch``, putting a batch's pooled embeddings back in the
-tables' order from the order a sharded collection gives them in (``RegroupedEmbeddings``), forward
-and backward. The dense optimizer: torch's default ``Adam`` against ``train.dense_adam`` (fused),
+forward and backward over a batch of ``batching.batch_size`` events. The sharded order: the pooled
+embeddings as a sharded collection gives them (``RegroupedEmbeddings``) through the sparse arch and
+the interaction, forward and backward: TorchRec's ``SparseArch``, which puts them back in the tables'
+order, and ``InteractionArch``, against ``model.KeyedSparseArch`` and ``model.KeyedInteractionArch``,
+which pick the pairs where they are. The dense optimizer: torch's default ``Adam`` against ``train.dense_adam`` (fused),
 one step over the dense layers' parameters of the configured model. The two legs of each
 alternate in rounds; the ratio is the default's CPU time over the replacement's: above 1, the
 replacement is faster. Both compute the same numbers (tests/test_model.py)."""
@@ -23,7 +24,7 @@ from streamtrain.bench.common import machine
 class RegroupedEmbeddings(EmbeddingBagCollection):
     """An EmbeddingBagCollection whose forward gives ``values`` as its pooled embeddings, keyed in
     ``order`` rather than the tables' order, as a sharded collection's come (grouped by sharding
-    type and rank): what the sparse arch does after the lookup, alone."""
+    type and rank): what the model does after the lookup, alone."""
 
     def __init__(self, tables: list[EmbeddingBagConfig], order: list[str], values: torch.Tensor):
         super().__init__(tables=tables)
@@ -42,7 +43,13 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     from torchrec.models.dlrm import InteractionArch, SparseArch
 
     from streamtrain.config import load_config
-    from streamtrain.model import ClickModel, FlatInteractionArch, OrderedSparseArch, embedding_configs
+    from streamtrain.model import (
+        ClickModel,
+        FlatInteractionArch,
+        KeyedInteractionArch,
+        KeyedSparseArch,
+        embedding_configs,
+    )
     from streamtrain.train import dense_adam
 
     torch.set_num_threads(1)
@@ -63,11 +70,10 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     # (each rank's table-wise tables, then the data-parallel ones), and the same for any config.
     order = names[::2] + names[1::2]
     pooled = torch.randn(batch, len(names) * dim, requires_grad=True)
-    downstream = torch.randn(batch, len(names), dim)
 
-    def sparse_arch(arch: type[SparseArch]) -> Callable[[], object]:
-        module = arch(RegroupedEmbeddings(tables, order, pooled))
-        return lambda: module(None).backward(downstream)
+    def sharded_order(sparse_arch: type[SparseArch], inter_arch: torch.nn.Module) -> Callable[[], object]:
+        module = sparse_arch(RegroupedEmbeddings(tables, order, pooled))
+        return lambda: inter_arch(dense, module(None)).backward(upstream)
 
     model = ClickModel(config.features, config.model, config.tasks(), torch.device("cpu"))
     shapes = [p.shape for name, p in model.named_parameters() if "embedding_bags" not in name]
@@ -88,11 +94,18 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
                 "ours": ("FlatInteractionArch", interaction(FlatInteractionArch(features))),
             },
         ),
-        "sparse_arch": (
-            f"forward and backward, {batch:,} events, {len(names)} features of dim {dim}, from a sharded order",
+        "sharded_order": (
+            f"sparse arch and interaction, forward and backward, {batch:,} events, {len(names)} features of dim "
+            f"{dim}, from a sharded order",
             {
-                "default": ("torchrec SparseArch", sparse_arch(SparseArch)),
-                "ours": ("OrderedSparseArch", sparse_arch(OrderedSparseArch)),
+                "default": (
+                    "torchrec SparseArch, InteractionArch",
+                    sharded_order(SparseArch, InteractionArch(len(names))),
+                ),
+                "ours": (
+                    "KeyedSparseArch, KeyedInteractionArch",
+                    sharded_order(KeyedSparseArch, KeyedInteractionArch(names)),
+                ),
             },
         ),
         "dense_adam": (
@@ -137,11 +150,11 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
 def table(result: dict) -> str:
     lines = [
         f"  one CPU thread, {result['rounds']} round(s) of {result['calls']} calls per leg; CPU time per call",
-        f"  {'kernel':<14} {'default':>30} {'ours':>30} {'ratio':>7}",
+        f"  {'kernel':<14} {'default':>47} {'ours':>47} {'ratio':>7}",
     ]
     for name, k in result["kernels"].items():
         lines.append(
-            f"  {name:<14} {k['default']:>20} {k['default_us']:>7,.0f} µs {k['ours']:>20} {k['ours_us']:>7,.0f} µs "
+            f"  {name:<14} {k['default']:>36} {k['default_us']:>7,.0f} µs {k['ours']:>36} {k['ours_us']:>7,.0f} µs "
             f"{k['ratio']:>7.2f}"
         )
         lines.append(f"  {'':<14} {k['what']}")
