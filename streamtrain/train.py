@@ -277,10 +277,15 @@ def write_plan_json(plan: ShardingPlan, config: WorkerConfig, world_size: int, p
 
 
 def gather_small_gradients(model: torch.nn.Module) -> None:
-    """Have each of ``model``'s DDP modules on gloo (the dense layers, the data-parallel tables)
-    average a gradient bucket of up to GATHER_SUM_MAX_BYTES by an all-gather and a local sum rather
-    than gloo's all-reduce, which costs several times as much at this model's bucket sizes. NCCL
-    keeps DDP's own all-reduce."""
+    """Have each of ``model``'s DDP modules on gloo (DMP's, over the dense layers) average a
+    gradient bucket of up to GATHER_SUM_MAX_BYTES by an all-gather and a local sum rather than
+    gloo's all-reduce, which costs several times as much at this model's bucket sizes. NCCL keeps
+    DDP's own all-reduce.
+
+    The DDP TorchRec wraps a sharded collection's data-parallel tables in keeps gloo's all-reduce:
+    TorchRec holds it in a plain list (``ShardedEmbeddingBagCollection._lookups``), which
+    ``modules()`` does not walk. Hooked as well, the 2-rank step measured no faster (36.07 ms a
+    step against 35.85, 10 rounds alternating in one run, 2026-12-03)."""
     for ddp in model.modules():
         if isinstance(ddp, DistributedDataParallel) and dist.get_backend(ddp.process_group) == "gloo":
             # DDP checks a hook's annotations against the classes, which this module's postponed

@@ -14,8 +14,7 @@ from streamtrain.dev.kafka import free_port
 from streamtrain.device import GATHER_SUM_MAX_BYTES, summed_over_ranks
 from streamtrain.train import gather_small_gradients
 
-# Two DDP modules, as DMP has (the dense layers, the data-parallel tables): one bucket each, under
-# the gather's limit and over it.
+# Two DDP modules, each with one bucket, under the gather's limit and over it.
 SMALL, LARGE = 1_000, GATHER_SUM_MAX_BYTES // 4 + 1_000
 
 
