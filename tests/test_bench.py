@@ -138,7 +138,13 @@ def test_e2e_rounds_report_each_rounds_ratios_and_their_median():
     assert result["worker_over_limit"] == 0.8 and result["cpu_per_event_ratio"] == pytest.approx(1.2)
     assert _median([1.0, None]) is None  # a round without the leg: no ratio, not a median of the others
     printed = table(result)
-    assert "round 3: worker / naive 1.67, worker / limit 0.75" in printed and "worker / limit = 0.80" in printed
+    assert "round 3: worker / naive 1.67, worker / limit 0.75" in printed
+    assert "worker / naive = 1.67   (goal >= 2: missed)" in printed
+    assert "worker / limit = 0.80   (goal >= 0.8: met)" in printed
+    shown_as_the_goal = table({**result, "worker_over_limit": 0.797, "cpu_per_event_ratio": 1.204})
+    assert "worker / limit = 0.80   (goal >= 0.8: missed)" in shown_as_the_goal
+    assert "CPU per event, worker / limit = 1.20   (goal <= 1.2: missed)" in shown_as_the_goal
+    assert "(goal <= 1.2: met)" in table({**result, "cpu_per_event_ratio": 1.1})
     assert "2.00 x naive, 0.80 of the limit, CPU 1.20; 1.50 x naive" in markdown(result)
     assert "the trainers waited for a core 7% of the time" in printed
     assert "| trainers runnable, waiting for a core (share of the time) | 7% | 7% | 7% |" in markdown(result)

@@ -543,10 +543,9 @@ def table(result: dict) -> str:
                 f"{r['worker_over_limit'] or 0:.2f}, CPU per event worker / limit {r['cpu_per_event_ratio'] or 0:.2f}"
                 + _stolen_by_leg(r["legs"])
             )
-    if result.get("worker_over_naive"):
-        lines.append(f"  worker / naive = {result['worker_over_naive']:.2f}   (goal >= 2)")
-    if result.get("worker_over_limit"):
-        lines.append(f"  worker / limit = {result['worker_over_limit']:.2f}   (goal >= 0.8)")
+    for key, baseline, goal in (("worker_over_naive", "naive", 2), ("worker_over_limit", "limit", 0.8)):
+        if result.get(key):
+            lines.append(f"  worker / {baseline} = {result[key]:.2f}   (goal >= {goal}: {_verdict(result[key], goal)})")
     lines.extend(cpu_lines(result))
     if legs["worker"].get("data_wait_share") is not None:
         lines.append(
@@ -626,7 +625,8 @@ def cpu_lines(result: dict) -> list[str]:
                 + _contention_text(cpu)
             )
     if result.get("cpu_per_event_ratio"):
-        lines.append(f"  CPU per event, worker / limit = {result['cpu_per_event_ratio']:.2f}   (goal <= 1.2)")
+        ratio = result["cpu_per_event_ratio"]
+        lines.append(f"  CPU per event, worker / limit = {ratio:.2f}   (goal <= 1.2: {_verdict(1.2, ratio)})")
     worker = legs.get("worker", {}).get("cpu")
     if worker:
         lines.append(
@@ -706,3 +706,9 @@ def cpu_table(result: dict) -> list[str]:
             f"after {result['loadavg']['after']}."
         )
     return rows
+
+
+def _verdict(value: float, goal: float) -> str:
+    """Whether ``value`` reaches ``goal`` (at least it): printed beside a ratio rounded to two
+    decimals, which shows 0.797 as 0.80 next to a goal of 0.8."""
+    return "met" if value >= goal else "missed"
