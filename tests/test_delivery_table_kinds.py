@@ -117,7 +117,9 @@ MANAGED = {
 def test_managed_tables_are_served_with_the_trainers_id_map_through_base_and_deltas(
     kafka, topic_name, start_worker, tmp_path
 ):
-    produce(kafka.bootstrap_servers, topic_name, 2000, partitions=2, seed=72, schema_path=SCHEMA)
+    # Enough for at least 3 deltas however the backlog is cut: 2,000 events made 2 when every
+    # batch came full (256 events, 4 steps a rank) and 3 only when some were cut by time.
+    produce(kafka.bootstrap_servers, topic_name, 4000, partitions=2, seed=72, schema_path=SCHEMA)
     env = delivery_env(tmp_path / "snapshots", tmp_path / "deltas", every_steps=2)
     env |= {f"STREAMTRAIN_FEATURES__TABLES__{key}": value for key, value in MANAGED.items()}
     worker = start_worker(topic_name, "--until-end", env=env)
