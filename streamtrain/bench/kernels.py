@@ -2,10 +2,11 @@
 CPU thread. The interaction: TorchRec's ``InteractionArch`` against ``model.FlatInteractionArch``,
 forward and backward over a batch of ``batching.batch_size`` events. The sharded order: the pooled
 embeddings as a sharded collection gives them (``RegroupedEmbeddings``) through the sparse arch and
-the interaction, forward and backward: TorchRec's ``SparseArch``, which puts them back in the tables'
-order, and ``InteractionArch``, against ``model.KeyedSparseArch`` and ``model.KeyedInteractionArch``,
-which pick the pairs where they are. The dense optimizer: torch's default ``Adam`` against ``train.dense_adam`` (fused),
-one step over the dense layers' parameters of the configured model. The two legs of each
+the interaction, forward and backward: TorchRec's ``SparseArch``, which puts them back in the
+tables' order, and ``InteractionArch``, against ``model.KeyedSparseArch`` and
+``model.KeyedInteractionArch``, which pick the pairs where they are. The dense optimizer: torch's
+default ``Adam`` against ``train.dense_adam`` (fused), one step over the dense layers' parameters of
+the configured model. The two legs of each
 alternate in rounds; the ratio is the default's CPU time over the replacement's: above 1, the
 replacement is faster. Both compute the same numbers (tests/test_model.py)."""
 
