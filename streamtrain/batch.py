@@ -23,7 +23,7 @@ from streamtrain.deadletter import Rejections
 from streamtrain.decode import AvroBatchDecoder, ClickBatch
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.source import EventBatch, KafkaSource
-from streamtrain.threads import PREFETCH, name_this_thread, yield_wakeups_to_the_trainer
+from streamtrain.threads import PREFETCH, name_this_thread, profiled, yield_wakeups_to_the_trainer
 
 log = logging.getLogger(__name__)
 
@@ -166,12 +166,12 @@ class Prefetcher:
         they could not be written."""
         self._count_consumed(events)
         started = time.perf_counter()
-        with torch.profiler.record_function("streamtrain.decode"):
+        with profiled("streamtrain.decode"):
             result = self.decoder.decode(events)
         self.metrics.decode_seconds.observe(time.perf_counter() - started)
         if not self.rejections.handle(len(events), result.rejected, self.stopping):
             return None
-        with torch.profiler.record_function("streamtrain.pin"):
+        with profiled("streamtrain.pin"):
             return self.prepare(result.batch)
 
     def _count_consumed(self, events: EventBatch) -> None:

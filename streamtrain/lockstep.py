@@ -22,6 +22,7 @@ from streamtrain.checkpoint import Checkpointer, SnapshotsFailing, StreamState
 from streamtrain.config import WorkerConfig
 from streamtrain.decode import ClickBatch
 from streamtrain.device import gathered_from_ranks
+from streamtrain.threads import profiled
 
 # How many batches TrainPipelineSparseDist takes ahead of the one it trains.
 PIPELINE_LOOKAHEAD = 2
@@ -131,7 +132,7 @@ class Lockstep:
             else:
                 batch = self.batches.get(self.BUSY_WAIT_SECONDS if busy else self.IDLE_WAIT_SECONDS)
                 flush = any(recent_global_sizes) and self.clock() - last_step >= self.flush_after
-                with torch.profiler.record_function("streamtrain.vote"):
+                with profiled("streamtrain.vote"):
                     global_sizes, step, stop = self._vote(batch, flush)
                 if stop:
                     return

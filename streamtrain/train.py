@@ -48,6 +48,7 @@ from streamtrain.device import (
 from streamtrain.idspace import IdSpace, RowResetter, managed_tables
 from streamtrain.metrics import IdSpaceMetrics
 from streamtrain.model import ClickModel
+from streamtrain.threads import profiled
 
 log = logging.getLogger(__name__)
 
@@ -424,7 +425,7 @@ class Trainer:
             while True:
                 started, waited = time.perf_counter(), 0.0
                 try:
-                    with torch.profiler.record_function("streamtrain.step"):
+                    with profiled("streamtrain.step"):
                         loss_sum, logits, _labels = self.pipeline.progress(source)
                 except StopIteration:
                     return

@@ -102,3 +102,17 @@ def test_while_training_the_collector_runs_only_every_few_steps_and_in_full_ever
         gc.callbacks.remove(record)
     assert gc.isenabled()  # again, once training is over
     assert while_training == [(2, 1), (4, 1), (6, 2), (8, 1), (10, 1), (12, 2), (14, 1), (16, 1)]
+
+
+def test_a_step_is_a_range_in_a_torch_profile_and_costs_no_range_otherwise(config, batches, monkeypatch):
+    real, _decoder = batches
+    trainer = Trainer(config, init_distributed())
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        for _result in trainer.train(iter(real[:3])):
+            pass
+    assert sum(event.name == "streamtrain.step" for event in profile.events()) >= 3
+    entered: list[str] = []
+    monkeypatch.setattr(torch.profiler, "record_function", lambda name: entered.append(name))
+    for _result in trainer.train(iter(real[:3])):
+        pass
+    assert not [name for name in entered if name.startswith("streamtrain.")]
