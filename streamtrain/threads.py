@@ -15,9 +15,6 @@ import ctypes.util
 import os
 import sys
 
-import torch
-from torch._C._autograd import _profiler_enabled
-
 PREFETCH = "st-prefetch"
 
 _PR_SET_NAME = 15
@@ -46,4 +43,6 @@ def profiled(name: str) -> contextlib.AbstractContextManager[object]:
     leaving a ``record_function`` are two operator calls that each let go of the GIL, about 17 µs
     of CPU alone and 30 beside a busy training thread, paid on the trainer's and the prefetch
     thread's every step."""
-    return torch.profiler.record_function(name) if _profiler_enabled() else contextlib.nullcontext()
+    import torch  # here, not above: a process that only names its threads stays free of torch
+
+    return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
