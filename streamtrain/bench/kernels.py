@@ -6,9 +6,9 @@ the interaction, forward and backward: TorchRec's ``SparseArch``, which puts the
 tables' order, and ``InteractionArch``, against ``model.KeyedSparseArch`` and
 ``model.KeyedInteractionArch``, which pick the pairs where they are. The dense optimizer: torch's
 default ``Adam`` against ``train.dense_adam`` (fused), one step over the dense layers' parameters of
-the configured model. The two legs of each
-alternate in rounds; the ratio is the default's CPU time over the replacement's: above 1, the
-replacement is faster. Both compute the same numbers (tests/test_model.py)."""
+the configured model. The two legs of each alternate in rounds; the ratio is the default's CPU
+time over the replacement's: above 1, the replacement is faster. Both compute the same numbers
+(tests/test_model.py)."""
 
 from __future__ import annotations
 
