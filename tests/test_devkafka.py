@@ -2,13 +2,14 @@
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
-from streamtrain.dev.kafka import BrokerError, KafkaBroker
+from streamtrain.dev.kafka import CLAIM_SECONDS, PORT_CLAIMS, BrokerError, KafkaBroker, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -58,3 +59,19 @@ def test_missing_jars_say_how_to_get_them(tmp_path):
     with pytest.raises(BrokerError, match="make setup") as missing:
         KafkaBroker(libs=tmp_path).start()
     assert "STREAMTRAIN_KAFKA_LIBS" in str(missing.value)  # the way for an installed package
+
+
+def test_ports_handed_out_are_free_and_not_handed_to_another_process_within_the_hour():
+    """The suite's pytest-xdist workers each ask for ports; a port given to one must not reach the
+    other before the worker it was meant for has bound it."""
+    port = free_port(2)
+    for taken in (port, port + 1):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", taken))  # free
+    ask = "from streamtrain.dev.kafka import _claim; print(_claim(range({}, {})))"
+    other = [sys.executable, "-c", ask.format(port + 1, port + 2)]
+    assert subprocess.run(other, capture_output=True, text=True, check=True).stdout.split() == ["False"]
+    lapsed = time.time() - CLAIM_SECONDS - 1
+    for taken in (port, port + 1):
+        os.utime(PORT_CLAIMS / str(taken), (lapsed, lapsed))
+    assert subprocess.run(other, capture_output=True, text=True, check=True).stdout.split() == ["True"]

@@ -291,23 +291,6 @@ def cdf_points(values: np.ndarray, points: int = 200) -> list[list[float]]:
     return [[float(v), float(q)] for v, q in zip(np.quantile(values, qs), qs, strict=True)]
 
 
-def free_port_pair() -> int:
-    """A port p with p + 1 free too: a worker's rank r serves metrics on p + r."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                    return port
-                except OSError:
-                    continue
-    raise RuntimeError("no two adjacent free ports")
-
-
 def local_rank_env(rank: int, world_size: int, master_port: int) -> dict[str, str]:
     """The environment torchrun gives a local rank."""
     return {

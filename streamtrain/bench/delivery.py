@@ -42,7 +42,6 @@ import numpy as np
 from streamtrain.bench.common import (
     SCHEMA,
     cdf_points,
-    free_port_pair,
     machine,
     quantiles,
     rate_text,
@@ -253,13 +252,13 @@ def _live(
     progress: Callable[[str], None],
 ) -> dict:
     from streamtrain.delivery.serve import KafkaDeltas, ScoringServer
-    from streamtrain.dev.kafka import create_topic
+    from streamtrain.dev.kafka import create_topic, free_port
 
     topic, delta_topic = "delivery-live", "delivery-live.model"
     create_topic(bootstrap, topic, 4)
     create_topic(bootstrap, delta_topic, 1)  # before the server reads it
     folder.mkdir(parents=True)
-    record, port, checkpoints = folder / "record", free_port_pair(), folder / "checkpoints"
+    record, port, checkpoints = folder / "record", free_port(2), folder / "checkpoints"
     environment = {
         **worker_environment(bootstrap, topic, record, port),
         **delivery_environment(checkpoints, "bench-delivery-live", delta_topic),

@@ -190,10 +190,11 @@ def worker_leg(
 ) -> dict:
     """``streamtrain worker --nproc 2 --until-end`` on the topic; its run record gives the rate.
     ``environment`` overrides the worker's (config fields as STREAMTRAIN_SECTION__FIELD)."""
-    from streamtrain.bench.common import free_port_pair, wait_until_training
+    from streamtrain.bench.common import wait_until_training
+    from streamtrain.dev.kafka import free_port
 
     with tempfile.TemporaryDirectory(prefix="streamtrain-e2e-") as folder:
-        record, port, log_path = Path(folder) / "record", free_port_pair(), Path(folder) / "worker.log"
+        record, port, log_path = Path(folder) / "record", free_port(2), Path(folder) / "worker.log"
         started = time.time()
         with open(log_path, "wb") as log:
             worker = subprocess.Popen(

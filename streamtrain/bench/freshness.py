@@ -32,7 +32,6 @@ from streamtrain.bench.common import (
     SCHEMA,
     cdf_points,
     cpu_seconds,
-    free_port_pair,
     machine,
     quantiles,
     rate_text,
@@ -180,11 +179,11 @@ def _at_rate(
     pool: list[tuple[bytes, bytes]],
     broker_pid: int,
 ) -> dict:
-    from streamtrain.dev.kafka import create_topic
+    from streamtrain.dev.kafka import create_topic, free_port
 
     create_topic(bootstrap, topic, 4)
     with tempfile.TemporaryDirectory(prefix="streamtrain-fresh-") as folder:
-        record, port = Path(folder) / "record", free_port_pair()
+        record, port = Path(folder) / "record", free_port(2)
         with open(Path(folder) / "worker.log", "wb") as log:
             worker = subprocess.Popen(
                 [sys.executable, "-m", "streamtrain", "worker", "--config", str(config), "--nproc", str(WORLD_SIZE)],

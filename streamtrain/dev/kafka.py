@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import atexit
 import base64
+import contextlib
 import ctypes
+import fcntl
 import os
 import shutil
 import signal
@@ -46,20 +48,45 @@ class BrokerError(RuntimeError):
     pass
 
 
-_handed_out: set[int] = set()
+# Ports handed out on this machine, claimed in a folder that every process asking shares (the
+# test suite's pytest-xdist workers, a benchmark beside them): the kernel may offer a just-released
+# port again, to this process or another, before the worker given it has bound it, and two workers
+# given one port share a log and fight over their metrics port. A claim lapses after an hour.
+PORT_CLAIMS = Path(tempfile.gettempdir()) / f"streamtrain-ports-{os.getuid()}"
+CLAIM_SECONDS = 3600.0
 
 
-def free_port() -> int:
-    """A port on 127.0.0.1 that is free now and that this process has not handed out before: the
-    kernel may offer a just-released port again, and two workers given one port share a log and
-    fight over their metrics port."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _handed_out:
-            _handed_out.add(port)
+def _claim(ports: range) -> bool:
+    """Claims ``ports`` for the caller, unless any of them was claimed within CLAIM_SECONDS."""
+    PORT_CLAIMS.mkdir(exist_ok=True)
+    with open(PORT_CLAIMS / "lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        claims = [PORT_CLAIMS / str(port) for port in ports]
+        for claim in claims:
+            with contextlib.suppress(FileNotFoundError):
+                if time.time() - claim.stat().st_mtime < CLAIM_SECONDS:
+                    return False
+        for claim in claims:
+            claim.touch()
+        return True
+
+
+def free_port(count: int = 1) -> int:
+    """A port p on 127.0.0.1 such that p, ..., p + count - 1 are free now and were handed to no
+    process on this machine within the last hour (a worker's rank r serves metrics on p + r)."""
+    for _ in range(1000):
+        with contextlib.ExitStack() as held:
+            first = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            try:
+                for following in range(port + 1, port + count):
+                    held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)).bind(("127.0.0.1", following))
+            except OSError:
+                continue
+        if _claim(range(port, port + count)):
             return port
+    raise BrokerError(f"no {count} adjacent free port(s) on 127.0.0.1 in 1,000 tries")
 
 
 def _die_with_parent() -> None:
