@@ -7,6 +7,8 @@ starts. The next offset of every owned partition is tracked here.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -19,6 +21,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from confluent_kafka.admin import ClusterMetadata
 
 from streamtrain.config import KafkaConfig
+from streamtrain.rdkafka import FetchedMessage, FetchQueue
 from streamtrain.retry import Backoff, retry
 
 log = logging.getLogger(__name__)
@@ -54,18 +57,39 @@ class RawEvent:
 @dataclass
 class EventBatch:
     """Messages as read, in columns: what decoding and position tracking need, made without a
-    Python object per message (at the worker's rate that alone took a tenth of a core). ``event(i)``
-    makes one message's ``RawEvent`` when it is needed, e.g. for the dead-letter topic."""
+    Python object per message (at the worker's rate that alone took a tenth of a core). The payloads
+    lie back to back in ``data``, as the decoder reads them. ``event(i)`` makes one message's
+    ``RawEvent`` when it is needed, e.g. for the dead-letter topic."""
 
-    values: list[bytes | None]
     partitions: np.ndarray  # int64 [n]
     offsets: np.ndarray  # int64 [n]
-    messages: Sequence[Message | RawEvent]  # what ``event(i)`` is made from
+    data: np.ndarray  # uint8, read-only: the payloads back to back; a tombstone's is empty
+    bounds: np.ndarray  # int64 [n + 1]: payload i is data[bounds[i]:bounds[i + 1]]
+    messages: Sequence[Message | RawEvent | FetchedMessage]  # what ``event(i)`` is made from
+
+    @classmethod
+    def of_values(
+        cls,
+        values: Sequence[bytes | None],
+        partitions: np.ndarray,
+        offsets: np.ndarray,
+        messages: Sequence[Message | RawEvent],
+    ) -> EventBatch:
+        try:
+            sizes = np.fromiter(map(len, values), dtype=np.int64, count=len(values))  # type: ignore[arg-type]
+            joined = b"".join(values)  # type: ignore[arg-type]
+        except TypeError:  # a tombstone's None, which is rare: the common batch pays one pass in C
+            payloads = [v or b"" for v in values]
+            sizes = np.fromiter(map(len, payloads), dtype=np.int64, count=len(payloads))
+            joined = b"".join(payloads)
+        bounds = np.zeros(len(values) + 1, np.int64)
+        np.cumsum(sizes, out=bounds[1:])
+        return cls(partitions, offsets, np.frombuffer(joined, dtype=np.uint8), bounds, messages)
 
     @classmethod
     def of_events(cls, events: Sequence[RawEvent]) -> EventBatch:
         n = len(events)
-        return cls(
+        return cls.of_values(
             [e.value for e in events],
             np.fromiter((e.partition for e in events), dtype=np.int64, count=n),
             np.fromiter((e.offset for e in events), dtype=np.int64, count=n),
@@ -76,7 +100,7 @@ class EventBatch:
     def of_messages(cls, messages: list[Message]) -> EventBatch:
         """Of data messages (none carrying an error)."""
         n = len(messages)
-        return cls(
+        return cls.of_values(
             list(map(Message.value, messages)),
             np.fromiter(map(Message.partition, messages), dtype=np.int64, count=n),
             np.fromiter(map(Message.offset, messages), dtype=np.int64, count=n),
@@ -87,37 +111,48 @@ class EventBatch:
     def joined(cls, parts: Sequence[EventBatch]) -> EventBatch:
         if len(parts) == 1:
             return parts[0]
+        if not parts:
+            return NO_EVENTS
+        shifts = np.cumsum([0] + [len(part.data) for part in parts[:-1]])
         return cls(
-            [v for part in parts for v in part.values],
-            np.concatenate([part.partitions for part in parts]) if parts else np.zeros(0, np.int64),
-            np.concatenate([part.offsets for part in parts]) if parts else np.zeros(0, np.int64),
-            [m for part in parts for m in part.messages],
+            np.concatenate([part.partitions for part in parts]),
+            np.concatenate([part.offsets for part in parts]),
+            _read_only(np.concatenate([part.data for part in parts])),
+            np.concatenate(
+                [np.zeros(1, np.int64)] + [part.bounds[1:] + shift for part, shift in zip(parts, shifts, strict=True)]
+            ),
+            _Chained([part.messages for part in parts]),
         )
 
     def __len__(self) -> int:
-        return len(self.values)
+        return len(self.partitions)
 
     def where(self, keep: np.ndarray) -> EventBatch:
-        indices = np.flatnonzero(keep).tolist()
+        indices = np.flatnonzero(keep)
+        bounds = np.zeros(len(indices) + 1, np.int64)
+        np.cumsum(self.sizes[indices], out=bounds[1:])
         return EventBatch(
-            [self.values[i] for i in indices],
-            self.partitions[keep],
-            self.offsets[keep],
-            [self.messages[i] for i in indices],
+            self.partitions[indices],
+            self.offsets[indices],
+            _read_only(self.data[np.repeat(keep, self.sizes)]),
+            bounds,
+            _Picked(self.messages, indices.tolist()),
         )
 
     @cached_property
     def sizes(self) -> np.ndarray:
         """Each payload's bytes, 0 for a message without a value (a tombstone)."""
-        try:
-            return np.fromiter(map(len, self.values), dtype=np.int64, count=len(self.values))  # type: ignore[arg-type]
-        except TypeError:  # a tombstone's None, which is rare: the common batch pays one pass in C
-            return np.fromiter((len(v or b"") for v in self.values), dtype=np.int64, count=len(self.values))
+        return np.diff(self.bounds)
 
     @cached_property
     def payloads(self) -> list[bytes]:
-        """The values, an empty payload for a message without one."""
-        return self.values if self.sizes.all() else [v or b"" for v in self.values]  # type: ignore[return-value]
+        """Each payload as bytes, an empty one for a message without a value: for the decoders that
+        take events one at a time."""
+        view = self.data.tobytes()
+        return [
+            bytes(view[start:stop])
+            for start, stop in zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist(), strict=True)
+        ]
 
     def event(self, index: int) -> RawEvent:
         m = self.messages[index]
@@ -126,7 +161,45 @@ class EventBatch:
         return RawEvent(m.partition(), m.offset(), m.value(), m.timestamp()[1], m.key(), m.headers())
 
 
-NO_EVENTS = EventBatch([], np.zeros(0, np.int64), np.zeros(0, np.int64), [])
+def _read_only(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
+
+
+class _Chained(Sequence[Any]):
+    """Several batches' messages as one sequence, without copying them."""
+
+    def __init__(self, parts: list[Sequence[Any]]):
+        self.parts = parts
+        self.starts = list(itertools.accumulate((len(part) for part in parts), initial=0))
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        part = bisect.bisect_right(self.starts, index) - 1
+        return self.parts[part][index - self.starts[part]]
+
+
+class _Picked(Sequence[Any]):
+    """Some of a batch's messages, by index, without copying them."""
+
+    def __init__(self, messages: Sequence[Any], indices: list[int]):
+        self.messages = messages
+        self.indices = indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> Any:  # type: ignore[override]
+        return self.messages[self.indices[index]]
+
+
+NO_EVENTS = EventBatch(
+    np.zeros(0, np.int64), np.zeros(0, np.int64), _read_only(np.zeros(0, np.uint8)), np.zeros(1, np.int64), []
+)
 
 
 def partitions_in(partitions: np.ndarray) -> list[int]:
@@ -227,6 +300,8 @@ class KafkaSource:
         self.until_end = until_end
         self.max_events = max_events
         self.consumed = 0
+        # Before the assignment starts fetching: see streamtrain.rdkafka.
+        self.fetch_queue = FetchQueue.attach(self.consumer, self.topic, self.partitions) if self.partitions else None
         self.consumer.assign(assignment)
         log.info(
             "rank %d/%d owns partitions %s of %s (of %d); starting at %s (%s)",
@@ -334,13 +409,18 @@ class KafkaSource:
         if max_events <= 0 or not self.partitions:
             time.sleep(timeout)
             return NO_EVENTS
-        messages = self.consumer.consume(num_messages=max_events, timeout=timeout)
+        if self.fetch_queue is not None:
+            events = self._read_fetch_queue(max_events, timeout)
+        else:
+            messages = self.consumer.consume(num_messages=max_events, timeout=timeout)
+            # Per message, only calls into C; the checks and the positions are per partition.
+            if any(map(Message.error, messages)):
+                messages = [
+                    m for m in messages if m.error() is None or self._accept_error(m.error(), m.partition(), m.offset())
+                ]
+            events = EventBatch.of_messages(messages)
         if self.brokers_down and self._broker_answers():
             self.brokers_down = False
-        # Per message, only calls into C; the checks and the positions are per partition.
-        if any(map(Message.error, messages)):
-            messages = [m for m in messages if self._accept_error(m)]
-        events = EventBatch.of_messages(messages)
         if self.until_end and len(events):
             events = self._before_end(events)
         for partition in partitions_in(events.partitions):
@@ -348,16 +428,38 @@ class KafkaSource:
         self.consumed += len(events)
         return events
 
-    def _accept_error(self, message: Message) -> bool:
-        """Whether ``message`` is data; an error one is dealt with here."""
-        error = message.error()
-        if error is None:
-            return True
+    def _read_fetch_queue(self, max_events: int, timeout: float) -> EventBatch:
+        messages, (data, bounds, partitions, offsets, errors) = self.fetch_queue.read(max_events, timeout)  # type: ignore[union-attr]
+        events = EventBatch(partitions, offsets, data, bounds, messages)
+        if errors.any():
+            for i in np.flatnonzero(errors).tolist():
+                code, text = int(errors[i]), messages[i].error_text()
+                self._accept_error(
+                    KafkaError(code, text) if text else KafkaError(code), int(partitions[i]), int(offsets[i])
+                )
+            events = events.where(errors == 0)
+        self._serve_consumer_queue()
+        return events
+
+    def _serve_consumer_queue(self) -> None:
+        """Runs the callbacks (errors, logs) waiting in the consumer's own queue, which no longer
+        carries messages once the fetch queue holds them all."""
+        message = self.consumer.poll(0)
+        if message is None:
+            return
+        if message.error() is None:  # the forwarding failed: refuse to go on rather than skip it
+            raise RuntimeError(
+                f"librdkafka delivered {self.topic} [{message.partition()}] offset {message.offset()} "
+                "outside the fetch queue"
+            )
+        self._accept_error(message.error(), message.partition(), message.offset())
+
+    def _accept_error(self, error: KafkaError, partition: int, offset: int) -> bool:
+        """Deals with an error message; False, so that a filter drops it."""
         if error.code() == KafkaError._PARTITION_EOF:
             # The read position has reached the log end; transaction markers can leave it
             # past the last message's offset + 1.
-            p = message.partition()
-            self.next_offset[p] = max(self.next_offset[p], message.offset())
+            self.next_offset[partition] = max(self.next_offset[partition], offset)
             return False
         self.on_error(error.name())
         if error.fatal() or not error.retriable():
@@ -384,6 +486,8 @@ class KafkaSource:
             )
 
     def close(self) -> None:
+        if self.fetch_queue is not None:
+            self.fetch_queue.close()
         self.consumer.close()
 
 
