@@ -85,6 +85,9 @@ class KafkaConfig(_ClientProperties):
     # timezone, or epoch milliseconds), i.e. each partition's first message whose timestamp is at or
     # after it. Unset: the group's committed offsets, else the earliest.
     start_at: str | None = None
+    # Read fetched messages through librdkafka's queue API into arrays (streamtrain/rdkafka.py);
+    # false reads them through confluent-kafka's Consumer.consume, a Python object per message.
+    fetch_queue: bool = True
 
     @field_validator("client_config", "client_config_files")
     @classmethod

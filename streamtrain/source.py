@@ -301,7 +301,11 @@ class KafkaSource:
         self.max_events = max_events
         self.consumed = 0
         # Before the assignment starts fetching: see streamtrain.rdkafka.
-        self.fetch_queue = FetchQueue.attach(self.consumer, self.topic, self.partitions) if self.partitions else None
+        self.fetch_queue = (
+            FetchQueue.attach(self.consumer, self.topic, self.partitions)
+            if self.partitions and config.fetch_queue
+            else None
+        )
         self.consumer.assign(assignment)
         log.info(
             "rank %d/%d owns partitions %s of %s (of %d); starting at %s (%s)",

@@ -64,19 +64,21 @@ def read_all(source: KafkaSource) -> list[EventBatch]:
     raise AssertionError(f"not exhausted at {source.next_offset} of {source.end_offset}")
 
 
-def source_of(kafka, topic: str, rank: int = 0, world_size: int = 1) -> KafkaSource:
-    config = KafkaConfig(bootstrap_servers=kafka.bootstrap_servers, topic=topic, group_id=f"g-{topic}")
+def source_of(kafka, topic: str, rank: int = 0, world_size: int = 1, fetch_queue: bool = True) -> KafkaSource:
+    config = KafkaConfig(
+        bootstrap_servers=kafka.bootstrap_servers, topic=topic, group_id=f"g-{topic}", fetch_queue=fetch_queue
+    )
     return KafkaSource(config, rank, world_size, until_end=True, committed=False)
 
 
-@pytest.mark.parametrize("handle_readable", [True, False], ids=["fetch-queue", "consume"])
-def test_every_message_read_as_consume_reads_it(kafka, mixed_topic, monkeypatch, handle_readable):
-    if not handle_readable:
+@pytest.mark.parametrize("path", ["fetch-queue", "handle-unreadable", "configured-off"])
+def test_every_message_read_as_consume_reads_it(kafka, mixed_topic, monkeypatch, path):
+    if path == "handle-unreadable":
         monkeypatch.setattr(rdkafka, "_handle", lambda consumer, lib: None)
     expected = consumed(kafka, mixed_topic, [1])
-    source = source_of(kafka, mixed_topic, rank=1, world_size=2)  # partition 1 of 0..2
+    source = source_of(kafka, mixed_topic, rank=1, world_size=2, fetch_queue=path != "configured-off")
     try:
-        assert (source.fetch_queue is not None) == handle_readable
+        assert (source.fetch_queue is not None) == (path == "fetch-queue")  # partition 1 of 0..2
         events = EventBatch.joined(read_all(source))
         assert sorted(zip(events.partitions.tolist(), events.offsets.tolist(), strict=True)) == sorted(expected)
         assert source.next_offset == {1: 30}
