@@ -182,9 +182,10 @@ def test_cpu_sampler_splits_a_process_by_its_threads_kernel_names_and_sees_them_
     assert cpu["by_thread"]["prefetch"]["share"] > 0.5  # the main thread only waited for them
     assert cpu["events"] == 10 * (walls.size - 1)
     prefetch = cpu["by_thread"]["prefetch"]
-    # one core, three spinning threads: for each second of CPU they ran, they waited about two
+    # one core, three spinning threads: for each second of CPU they ran, they waited about two, and
+    # longer where other processes use that core too (the suite runs in two pytest workers)
     waited = prefetch["waiting_for_a_core_seconds_per_event"] / prefetch["cpu_seconds_per_event"]
-    assert 1.0 < waited < 3.0
+    assert 1.0 < waited < 6.0
     assert cpu["trainer_waiting_share"] < 0.2  # the main thread was blocked in join, not runnable
     assert 0.0 <= cpu["stolen_share"] <= 1.0  # this machine's own /proc/stat, whatever its host did
 
