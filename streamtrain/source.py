@@ -148,10 +148,9 @@ class EventBatch:
     def payloads(self) -> list[bytes]:
         """Each payload as bytes, an empty one for a message without a value: for the decoders that
         take events one at a time."""
-        view = self.data.tobytes()
+        joined = self.data.tobytes()
         return [
-            bytes(view[start:stop])
-            for start, stop in zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist(), strict=True)
+            joined[start:stop] for start, stop in zip(self.bounds[:-1].tolist(), self.bounds[1:].tolist(), strict=True)
         ]
 
     def event(self, index: int) -> RawEvent:
