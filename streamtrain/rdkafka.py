@@ -322,9 +322,7 @@ class FetchQueue:
             pointers = pointers[:count]
             messages = FetchedMessages(self, pointers)
             self._live.add(messages)
-            data, *columns = _columns(pointers)
-        data.flags.writeable = False  # as the decoder's other input, bytes joined: one compiled signature
-        return messages, (data, *columns)
+            return messages, _columns(pointers)
 
     def close(self) -> None:
         """Destroys the messages still held, then the queue; the consumer may close after this."""

@@ -161,6 +161,8 @@ class EventBatch:
 
 
 def _read_only(array: np.ndarray) -> np.ndarray:
+    """``array``, read-only like the joined bytes of ``of_values``: the decoder's compiled programs
+    then see one array type, and compile once."""
     array.flags.writeable = False
     return array
 
@@ -433,7 +435,7 @@ class KafkaSource:
 
     def _read_fetch_queue(self, max_events: int, timeout: float) -> EventBatch:
         messages, (data, bounds, partitions, offsets, errors) = self.fetch_queue.read(max_events, timeout)  # type: ignore[union-attr]
-        events = EventBatch(partitions, offsets, data, bounds, messages)
+        events = EventBatch(partitions, offsets, _read_only(data), bounds, messages)
         if errors.any():
             for i in np.flatnonzero(errors).tolist():
                 code, text = int(errors[i]), messages[i].error_text()
