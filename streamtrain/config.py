@@ -515,8 +515,7 @@ class ModelConfig(_Strict):
 
     dense_arch_layer_sizes: list[int] = Field(
         default=[64, 16],
-        description="The dense arch's MLP over the dense features; the last size must equal the tables' "
-        "embedding_dim.",
+        description="The dense arch's MLP over the dense features; the last size must equal the tables' embedding_dim.",
     )
     over_arch_layer_sizes: list[int] = Field(
         default=[64, 32, 1],
@@ -528,8 +527,7 @@ class ModelConfig(_Strict):
         default=None,
         min_length=1,
         max_length=63,
-        description="The prediction targets (at most 63). Unset: one task on features.label, which is DLRM "
-        "exactly.",
+        description="The prediction targets (at most 63). Unset: one task on features.label, which is DLRM exactly.",
     )
     multitask: Literal["shared_bottom", "mmoe", "dbmtl"] = Field(
         default="shared_bottom",
@@ -553,7 +551,9 @@ class ModelConfig(_Strict):
     dense_learning_rate: float = Field(
         default=0.001, gt=0, description="The dense layers' (and data-parallel tables') Adam learning rate."
     )
-    seed: int = Field(default=0, description="Seeds the initial weights and a managed table's fresh rows, the same on every rank.")
+    seed: int = Field(
+        default=0, description="Seeds the initial weights and a managed table's fresh rows, the same on every rank."
+    )
 
     @field_validator("over_arch_layer_sizes")
     @classmethod
