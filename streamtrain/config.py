@@ -763,7 +763,7 @@ class DeadLetterConfig(_Strict):
 
 
 class DeliveryConfig(_Strict):
-    """Model delivery (docs/delivery.md): servable bases exported from the snapshots, and deltas of
+    """Model delivery (docs/model-delivery.md): servable bases exported from the snapshots, and deltas of
     the rows touched since the last one, cut between steps like a snapshot."""
 
     enabled: bool = Field(
