@@ -1,5 +1,6 @@
-# Two commands matter: `make demo` and `make test` (which runs `make lint` first). Both run `make setup` first, which is
-# idempotent: a second run only checks stamps and costs seconds.
+# Two commands matter: `make demo` and `make test` (`make lint` first, then the suite, which builds the
+# docs site strictly). Both run `make setup` first, which is idempotent: a second run only checks
+# stamps and costs seconds.
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
@@ -14,7 +15,7 @@ VARIANT := $(if $(filter 1,$(STREAMTRAIN_CUDA)),cuda,cpu)
 OTHER_FBGEMM := $(if $(filter cuda,$(VARIANT)),fbgemm-gpu-cpu,fbgemm-gpu)
 STAMP := $(VENV)/.stamp-$(VARIANT)
 
-.PHONY: setup setup-cuda lint test demo kafka clean
+.PHONY: setup setup-cuda lint test docs demo kafka clean
 .DEFAULT_GOAL := setup
 
 setup: $(STAMP) $(KAFKA_LIBS)/.stamp .cache/prometheus.stamp
@@ -61,6 +62,13 @@ TEST_WORKERS ?= 2
 test: setup lint
 	$(PY) -m pytest -ra --durations=40 -n $(TEST_WORKERS) --dist worksteal tests
 
+# The docs site (mkdocs.yml, docs/): the configuration reference regenerated from
+# streamtrain/config.py, then a strict build into site/ (git-ignored). tests/test_docs.py checks
+# both, and runs the getting-started page's runnable blocks, in `make test`.
+docs: setup
+	$(PY) -m streamtrain.dev.docs
+	$(VENV)/bin/mkdocs build --strict
+
 demo: setup
 	$(PY) -m streamtrain demo
 
@@ -68,4 +76,4 @@ kafka: setup
 	$(PY) -m streamtrain dev-kafka --topic clicks
 
 clean:
-	rm -rf $(VENV) .cache deploy/kafka/target
+	rm -rf $(VENV) .cache deploy/kafka/target site

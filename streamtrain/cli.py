@@ -21,6 +21,20 @@ if TYPE_CHECKING:
 
 DEFAULT_SCHEMA = PACKAGE_DIR / "schemas" / "click_event.avsc"
 
+# The docs page that explains each command (docs/ in the source tree; `make docs` builds the site).
+DOCS_PAGES = {
+    "streamtrain": "index.md",
+    "worker": "getting-started.md",
+    "plan": "ranks.md",
+    "produce": "development.md",
+    "dev-kafka": "development.md",
+    "checkpoints": "checkpoints.md",
+    "export": "model-delivery.md",
+    "serve": "model-delivery.md",
+    "bench": "benchmarks.md",
+    "demo": "getting-started.md",
+}
+
 
 # Messages the pinned torchrec and fbgemm print on every start that ask nothing of the operator.
 _LIBRARY_NOISE = (
@@ -113,9 +127,10 @@ def _launch_local_ranks(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from streamtrain.config import load_config
+
+    config = load_config(args.config)  # a bad config is refused before torchrec is imported
     from streamtrain.train import describe_plan, describe_topology, plan_sharding, topology, write_plan_json
 
-    config = load_config(args.config)
     caps = {name: gib for name, gib in (("hbm_gb", args.hbm_gb), ("ddr_gb", args.ddr_gb)) if gib is not None}
     if caps:  # the flags win over the config's values
         config = config.model_copy(update={"distributed": config.distributed.model_copy(update=caps)})
@@ -501,7 +516,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Flatten a snapshot, export the unsharded model with torch.export (a dynamic batch "
         "dimension) and publish it under --out as base-<version>/ (model.pt2, manifest.json, schemas), "
         "then point --out/current.json at it. It loads in one CPU process: no process group, no TorchRec "
-        "sharding. See the README's Model delivery.",
+        "sharding.",
     )
     export.add_argument(
         "--checkpoint", required=True, help="a checkpoint.path (its newest complete snapshot) or a step-<N> folder"
@@ -528,7 +543,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Load the newest base under --model (current.json) and apply the deltas of its chain in order, "
         "from a Kafka topic (--deltas) or a folder (--delta-dir); a gap or a newer chain reloads the newest "
         "base. POST /score takes events as base64 Avro (the topic's wire format) or JSON objects; "
-        "/healthz, /readyz and /metrics (Prometheus) too. See the README's Model delivery.",
+        "/healthz, /readyz and /metrics (Prometheus) too.",
     )
     serve.add_argument(
         "--config",
@@ -600,6 +615,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="the live rate's share of the worker's measured rate, when --rate is not given (default 0.5)",
     )
     demo.set_defaults(run=_demo)
+    for name, command in {"streamtrain": parser, **commands.choices}.items():
+        command.epilog = f"Documentation: docs/{DOCS_PAGES[name]} (`make docs` builds the site into site/)."
     return parser
 
 

@@ -38,11 +38,16 @@ class _Strict(BaseModel):
 class _ClientProperties(_Strict):
     """Client properties with secrets kept out of the YAML: they are read from files instead."""
 
-    # Extra client properties, e.g. security.protocol or sasl.mechanism.
-    client_config: dict[str, str] = {}
-    # Properties whose values are read from files, so secrets such as sasl.password or
-    # basic.auth.user.info never sit in the YAML or in logs.
-    client_config_files: dict[str, Path] = {}
+    client_config: dict[str, str] = Field(
+        default={},
+        description="Extra client properties, e.g. security.protocol or sasl.mechanism. A secret "
+        "(a name with password or secret in it, a key PEM, user.info) is refused here: use client_config_files.",
+    )
+    client_config_files: dict[str, Path] = Field(
+        default={},
+        description="Properties whose values are read from files, so that secrets such as sasl.password or "
+        "basic.auth.user.info never sit in the YAML or in a log.",
+    )
 
     @field_validator("client_config")
     @classmethod
@@ -75,19 +80,32 @@ OWNED_PROPERTIES = {
 
 
 class KafkaConfig(_ClientProperties):
-    bootstrap_servers: str = Field(min_length=1)
-    topic: str = Field(min_length=1)
-    group_id: str = "streamtrain"
-    # How long start-up waits for a broker to answer before the worker exits 4.
-    connect_timeout_seconds: float = Field(default=30.0, gt=0)
+    """The source: the cluster, the topic, and librdkafka's consumer properties (client_config
+    overrides the consumer's defaults; the properties exactly-once rests on are refused)."""
 
-    # Where reading starts when no snapshot is restored: earliest, latest, or a time (ISO-8601 with a
-    # timezone, or epoch milliseconds), i.e. each partition's first message whose timestamp is at or
-    # after it. Unset: the group's committed offsets, else the earliest.
-    start_at: str | None = None
-    # Read fetched messages through librdkafka's queue API into arrays (streamtrain/rdkafka.py);
-    # false reads them through confluent-kafka's Consumer.consume, a Python object per message.
-    fetch_queue: bool = True
+    bootstrap_servers: str = Field(
+        min_length=1, description="The brokers, comma-separated host:port (librdkafka's bootstrap.servers)."
+    )
+    topic: str = Field(min_length=1, description="The topic of click events to train on.")
+    group_id: str = Field(
+        default="streamtrain",
+        description="The consumer group the worker commits its trained (or snapshotted) positions to, so lag "
+        "dashboards are true; partitions are assigned explicitly, not by the group.",
+    )
+    connect_timeout_seconds: float = Field(
+        default=30.0, gt=0, description="How long start-up waits for a broker to answer before the worker exits 4."
+    )
+    start_at: str | None = Field(
+        default=None,
+        description="Where reading starts when no snapshot is restored: earliest, latest, or a time (ISO-8601 "
+        "with a timezone, or epoch milliseconds), i.e. each partition's first message whose timestamp is at or "
+        "after it. Unset: the group's committed offsets (only without checkpoint.path), else the earliest.",
+    )
+    fetch_queue: bool = Field(
+        default=True,
+        description="Read fetched messages through librdkafka's queue API into arrays (streamtrain/rdkafka.py); "
+        "false reads them through confluent-kafka's Consumer.consume, a Python object per message.",
+    )
 
     @field_validator("client_config", "client_config_files")
     @classmethod
@@ -149,16 +167,27 @@ ComputeKernelName = Literal["dense", "fused", "fused_uvm", "fused_uvm_caching"]
 class EvictionConfig(_Strict):
     """Which live id gives up its row when a managed table is full (streamtrain/idspace.py)."""
 
-    # lru: the id seen longest ago; lfu: the id seen least often (counts halve every interval, so
-    # old popularity fades); ttl: as lru, and besides, every interval frees the rows of ids unseen
-    # for longer than the horizon.
-    policy: Literal["lru", "lfu", "ttl"] = "lru"
-    # ttl's horizon, in steps or in event time (the newest event of each step): set exactly one.
-    ttl_steps: int | None = Field(default=None, gt=0)
-    ttl_seconds: float | None = Field(default=None, gt=0)
-    # How often, in steps, ttl expires rows, lfu halves its counts and min_count admission halves
-    # its counts of waiting ids.
-    interval_steps: int = Field(default=100, gt=0)
+    policy: Literal["lru", "lfu", "ttl"] = Field(
+        default="lru",
+        description="lru: the id seen longest ago gives up its row; lfu: the id seen least often (counts halve "
+        "every interval, so old popularity fades); ttl: as lru, and besides, every interval frees the rows of "
+        "ids unseen for longer than the horizon.",
+    )
+    ttl_steps: int | None = Field(
+        default=None, gt=0, description="ttl's horizon in steps; set this or ttl_seconds with policy ttl."
+    )
+    ttl_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="ttl's horizon in event time (the newest event of each step); set this or ttl_steps with "
+        "policy ttl.",
+    )
+    interval_steps: int = Field(
+        default=100,
+        gt=0,
+        description="How often, in steps, ttl expires rows, lfu halves its counts and min_count admission halves "
+        "its counts of waiting ids.",
+    )
 
     @model_validator(mode="after")
     def _horizon_with_ttl(self) -> EvictionConfig:
@@ -176,11 +205,20 @@ class EvictionConfig(_Strict):
 class AdmissionConfig(_Strict):
     """Which new ids get a row of a managed table; the others share its unknown row meanwhile."""
 
-    # An id is admitted once it has been seen this many times (counted in a fixed-size sketch of
-    # uint16 cells, which saturate at 65,535, halved every eviction interval).
-    min_count: int | None = Field(default=None, gt=0, le=65_535)
-    # Each sighting of a new id admits it with this probability (the same draw on every rank).
-    probability: float | None = Field(default=None, gt=0, le=1)
+    min_count: int | None = Field(
+        default=None,
+        gt=0,
+        le=65_535,
+        description="Admit an id once it has been seen this many times (counted in a fixed-size sketch of uint16 "
+        "cells, which saturate at 65,535, halved every eviction interval). Set this or probability.",
+    )
+    probability: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Admit a new id at each sighting with this probability (the same draw on every rank). Set "
+        "this or min_count.",
+    )
 
     @model_validator(mode="after")
     def _one_rule(self) -> AdmissionConfig:
@@ -192,32 +230,55 @@ class AdmissionConfig(_Strict):
 
 
 class TableConfig(_Strict):
-    name: str = Field(min_length=1)
-    field: str = Field(min_length=1, description="the schema field holding this feature's ids")
-    # The table's rows. A managed table sets rows instead (num_embeddings is then rows).
-    num_embeddings: int = Field(gt=0)
-    embedding_dim: int = Field(gt=0)
-    pooling: Literal["sum", "mean"] = "sum"
-    # modulo keeps small integer ids readable in the table; hash spreads large or structured ids.
-    # String ids are always hashed. managed gives every live id a row of its own, with admission
-    # and eviction (streamtrain/idspace.py; the README's "Managed ids").
-    id_mapping: Literal["modulo", "hash", "managed"] = "modulo"
-    # managed only: the table's size; rows - 1 hold live ids and the last is the unknown row,
-    # shared by ids not admitted (yet).
-    rows: int | None = Field(default=None, ge=2)
-    eviction: EvictionConfig | None = None
-    # Unset: every new id is admitted.
-    admission: AdmissionConfig | None = None
-    # Planner constraints; unset lets the planner choose. Without a GPU only data_parallel,
-    # table_wise, column_wise and table_column_wise exist.
-    sharding_types: list[ShardingTypeName] | None = Field(default=None, min_length=1)
-    compute_kernels: list[ComputeKernelName] | None = Field(default=None, min_length=1)
-    # Look this feature's ids up in another entry's table: one embedding per id for both features
-    # (a user's recent categories and the ad's category), so their dot product in DLRM's
-    # interaction is large exactly when the ad's category is among the recent ones, for every
-    # category, however rarely it was seen. Rows, dim, pooling and id_mapping must match the
-    # owner's; sharding is the owner's.
-    shares_table_with: str | None = None
+    """One id feature and its embedding table (docs/features.md)."""
+
+    name: str = Field(min_length=1, description="The feature's and its table's name, unique among the tables.")
+    field: str = Field(
+        min_length=1,
+        description="The schema field holding this feature's ids (a path such as user.id for a nested record); "
+        "an int, long, string, bytes, boolean or enum, or an array of one.",
+    )
+    num_embeddings: int = Field(
+        gt=0, description="The table's rows. A managed table sets rows instead (num_embeddings is then rows)."
+    )
+    embedding_dim: int = Field(
+        gt=0, description="The embedding's width; every table has the same (DLRM's interaction needs it)."
+    )
+    pooling: Literal["sum", "mean"] = Field(default="sum", description="How a multi-valued feature's rows are pooled.")
+    id_mapping: Literal["modulo", "hash", "managed"] = Field(
+        default="modulo",
+        description="modulo: id mod num_embeddings, which keeps small integer ids readable in the table; hash: "
+        "splitmix64 first, for large or structured ids (string ids are always hashed); managed: every live id "
+        "gets a row of its own, with admission and eviction (docs/features.md, Managed ids).",
+    )
+    rows: int | None = Field(
+        default=None,
+        ge=2,
+        description="id_mapping managed only: the table's size; rows - 1 hold live ids and the last is the "
+        "unknown row, shared by ids without a row (yet).",
+    )
+    eviction: EvictionConfig | None = Field(
+        default=None, description="id_mapping managed only: which live id gives up its row (unset: lru)."
+    )
+    admission: AdmissionConfig | None = Field(
+        default=None, description="id_mapping managed only: which new ids get a row. Unset: every new id."
+    )
+    sharding_types: list[ShardingTypeName] | None = Field(
+        default=None,
+        min_length=1,
+        description="The sharding planner's choices for this table; unset lets it choose. Without a GPU only "
+        "data_parallel, table_wise, column_wise and table_column_wise exist.",
+    )
+    compute_kernels: list[ComputeKernelName] | None = Field(
+        default=None, min_length=1, description="The planner's compute kernels for this table; unset lets it choose."
+    )
+    shares_table_with: str | None = Field(
+        default=None,
+        description="Look this feature's ids up in another entry's table: one embedding per id for both (a "
+        "user's recent categories and the ad's category), so their dot product in DLRM's interaction is large "
+        "exactly when the ad's category is among the recent ones. num_embeddings, embedding_dim, pooling and "
+        "id_mapping must match the owner's; sharding is the owner's.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -263,20 +324,36 @@ class TableConfig(_Strict):
 
 
 class DenseFeature(_Strict):
-    field: str = Field(min_length=1)
-    transform: Literal["none", "log1p"] = "none"
+    """A numeric field fed to the dense arch."""
+
+    field: str = Field(
+        min_length=1, description="The schema field: an int, long, float, double or boolean; a null reads as 0.0."
+    )
+    transform: Literal["none", "log1p"] = Field(
+        default="none", description="Applied before the value is made float32; log1p tames heavy tails."
+    )
 
 
 class SchemaRegistryConfig(_ClientProperties):
     """A Confluent Schema Registry; client_config takes the registry client's properties."""
 
-    url: str = Field(pattern=r"^(https?|mock)://", description="e.g. https://registry:8081")
-    # The registry client takes typed values (max.retries: 3, timeout: 10), unlike librdkafka.
+    url: str = Field(
+        pattern=r"^(https?|mock)://",
+        description="The registry, e.g. https://registry:8081; credentials in it are refused (they would reach "
+        "logs): name a file under client_config_files as basic.auth.user.info.",
+    )
     # pydantic validates each model's field as that model declares it.
-    client_config: dict[str, str | int | float | bool] = {}  # type: ignore[assignment]
-
-    # How long an unreachable registry is retried before the worker stops with an error.
-    timeout_seconds: float = Field(default=60.0, gt=0)
+    client_config: dict[str, str | int | float | bool] = Field(  # type: ignore[assignment]
+        default={},
+        description="The registry client's properties, typed (max.retries: 3, timeout: 10), unlike librdkafka's; "
+        "secrets go under client_config_files.",
+    )
+    timeout_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="How long an unreachable registry is retried before the worker stops with an error (an "
+        "outage must not send good events to the dead-letter topic).",
+    )
 
     @field_validator("url")
     @classmethod
@@ -290,22 +367,44 @@ class SchemaRegistryConfig(_ClientProperties):
 
 
 class FeaturesConfig(_Strict):
-    # The reader schema: what the features below are named against. In the confluent wire format,
-    # each payload's writer schema is resolved to it with Avro's rules.
-    schema_path: Path = Path("schemas/click_event.avsc")
-    # raw: schemaless Avro bodies written with schema_path. confluent: magic byte 0, a 4-byte
-    # schema id, then the body, as confluent-kafka's AvroSerializer writes; writer schemas come
-    # from schema_registry or from writer_schemas_dir (<id>.avsc files).
-    wire_format: Literal["raw", "confluent"] = "raw"
-    schema_registry: SchemaRegistryConfig | None = None
-    writer_schemas_dir: Path | None = None
-    tables: list[TableConfig] = Field(min_length=1)
-    dense: list[DenseFeature] = Field(min_length=1)
-    label: str = "clk"
-    event_time: str = "event_time"
-    # A NaN or infinite dense value (after its transform, as float32): dead_letter rejects the
-    # event; clip trains it with NaN as 0 and +-inf as +-float32 max.
-    non_finite_dense: Literal["dead_letter", "clip"] = "dead_letter"
+    """The events' Avro schema and wire format, and what becomes of their fields (docs/features.md)."""
+
+    schema_path: Path = Field(
+        default=Path("schemas/click_event.avsc"),
+        description="The reader schema: what the features are named against. In the confluent wire format each "
+        "payload's writer schema is resolved to it with Avro's rules. A relative path is read from the working "
+        "directory, else from the package (the bundled schemas).",
+    )
+    wire_format: Literal["raw", "confluent"] = Field(
+        default="raw",
+        description="raw: schemaless Avro bodies written with schema_path. confluent: magic byte 0, a 4-byte "
+        "schema id, then the body, as confluent-kafka's AvroSerializer writes; writer schemas come from "
+        "schema_registry or from writer_schemas_dir.",
+    )
+    schema_registry: SchemaRegistryConfig | None = Field(
+        default=None, description="With wire_format confluent: where writer schemas are looked up by id."
+    )
+    writer_schemas_dir: Path | None = Field(
+        default=None,
+        description="With wire_format confluent, instead of schema_registry: a folder of <id>.avsc writer schemas.",
+    )
+    tables: list[TableConfig] = Field(min_length=1, description="The id features, one embedding table each.")
+    dense: list[DenseFeature] = Field(min_length=1, description="The dense (numeric) features, in order.")
+    label: str = Field(
+        default="clk",
+        description="The single task's label field (0 or 1; a null dead-letters the event). With model.tasks, "
+        "leave it out: each task names its own.",
+    )
+    event_time: str = Field(
+        default="event_time",
+        description="The event-time field: a long of epoch milliseconds, or timestamp-micros. Freshness and "
+        "ttl eviction read it.",
+    )
+    non_finite_dense: Literal["dead_letter", "clip"] = Field(
+        default="dead_letter",
+        description="A NaN or infinite dense value (after its transform, as float32): dead_letter rejects the "
+        "event; clip trains it with NaN as 0 and +-inf as +-float32 max.",
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> FeaturesConfig:
@@ -375,16 +474,25 @@ def _resolved(path: Path) -> Path:
 class TaskConfig(_Strict):
     """One prediction target: a binary label read from the schema, with its own head and loss."""
 
-    name: str = Field(min_length=1, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    label: str = Field(min_length=1, description="the schema field holding this task's 0/1 label")
-    # Multiplies this task's summed loss; the tasks' losses are added.
-    loss_weight: float = Field(default=1.0, gt=0)
-    # true: an event whose label is null is dead-lettered (missing_label). false: it trains the
-    # other tasks, and its loss for this task is masked (a purchase not yet known, say).
-    required: bool = True
-    # With model.multitask dbmtl: the task whose tower's last hidden layer this task's tower also
-    # reads (buy depends_on clk: a purchase follows a click, so what predicts the click helps).
-    depends_on: str | None = None
+    name: str = Field(
+        min_length=1,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="The task's name: its tower's, and the task label of its metrics.",
+    )
+    label: str = Field(min_length=1, description="The schema field holding this task's label, a number in [0, 1].")
+    loss_weight: float = Field(
+        default=1.0, gt=0, description="Multiplies this task's summed loss; the tasks' losses are added."
+    )
+    required: bool = Field(
+        default=True,
+        description="true: an event whose label is null is dead-lettered (missing_label). false: it trains the "
+        "other tasks, and its loss for this task is masked (a purchase not yet known, say).",
+    )
+    depends_on: str | None = Field(
+        default=None,
+        description="With model.multitask dbmtl: a task listed before this one, whose tower's last hidden layer "
+        "this task's tower also reads (buy depends_on clk: a purchase follows a click).",
+    )
 
 
 def default_tasks(features: FeaturesConfig) -> list[TaskConfig]:
@@ -396,30 +504,56 @@ class TargetMatchConfig(_Strict):
     """A candidate feature (the ad's category) and a history feature (the user's recent categories),
     both tables in features.tables, whose ids are compared (streamtrain/target_match.py)."""
 
-    candidate: str = Field(min_length=1)
-    history: str = Field(min_length=1)
+    candidate: str = Field(min_length=1, description="The table whose one id is looked for (the ad's category).")
+    history: str = Field(
+        min_length=1, description="The table whose ids are searched for it (the user's recent categories)."
+    )
 
 
 class ModelConfig(_Strict):
-    dense_arch_layer_sizes: list[int] = [64, 16]
-    # Each task's tower over the interaction (or, with mmoe, over its mix of experts).
-    over_arch_layer_sizes: list[int] = [64, 32, 1]
-    # Unset: one task on features.label, which is DLRM exactly. At most 63: the decoder marks the
-    # labels it has read in one int64.
-    tasks: list[TaskConfig] | None = Field(default=None, min_length=1, max_length=63)
-    # How the tasks share what sits above the interaction: shared_bottom gives each task a tower
-    # over the interaction; mmoe mixes num_experts expert MLPs with a softmax gate per task; dbmtl
-    # is shared_bottom where a task's tower also reads the tower of the task it depends_on.
-    multitask: Literal["shared_bottom", "mmoe", "dbmtl"] = "shared_bottom"
-    num_experts: int = Field(default=4, gt=0)
-    expert_layer_sizes: list[int] = Field(default=[64], min_length=1)
-    # Per pair, how many of the history's ids equal the candidate's, read by the dense arch beside
-    # the dense features: target attention's exact-match kernel (streamtrain/target_match.py).
-    target_matches: list[TargetMatchConfig] = []
-    sparse_optimizer: Literal["row_wise_adagrad", "adagrad", "sgd"] = "row_wise_adagrad"
-    sparse_learning_rate: float = Field(default=0.05, gt=0)
-    dense_learning_rate: float = Field(default=0.001, gt=0)
-    seed: int = 0
+    """TorchRec's DLRM over the tables, with a head per task, and its optimizers."""
+
+    dense_arch_layer_sizes: list[int] = Field(
+        default=[64, 16],
+        description="The dense arch's MLP over the dense features; the last size must equal the tables' embedding_dim.",
+    )
+    over_arch_layer_sizes: list[int] = Field(
+        default=[64, 32, 1],
+        description="Each task's tower over the interaction (with mmoe, over its mix of experts); ends in 1, "
+        "the logit.",
+    )
+    # At most 63: the decoder marks the labels it has read in one int64.
+    tasks: list[TaskConfig] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        description="The prediction targets (at most 63). Unset: one task on features.label, which is DLRM exactly.",
+    )
+    multitask: Literal["shared_bottom", "mmoe", "dbmtl"] = Field(
+        default="shared_bottom",
+        description="How the tasks share what sits above the interaction: shared_bottom gives each task a tower "
+        "over it; mmoe mixes num_experts expert MLPs with a softmax gate per task; dbmtl is shared_bottom where a "
+        "task's tower also reads the tower of the task it depends_on.",
+    )
+    num_experts: int = Field(default=4, gt=0, description="mmoe: the expert MLPs the tasks' gates mix.")
+    expert_layer_sizes: list[int] = Field(default=[64], min_length=1, description="mmoe: each expert's layer sizes.")
+    target_matches: list[TargetMatchConfig] = Field(
+        default=[],
+        description="Pairs of tables whose match count (how many of the history's ids equal the candidate's) "
+        "the dense arch reads beside the dense features: target attention's exact-match kernel "
+        "(streamtrain/target_match.py).",
+    )
+    sparse_optimizer: Literal["row_wise_adagrad", "adagrad", "sgd"] = Field(
+        default="row_wise_adagrad",
+        description="The tables' optimizer, fused into fbgemm's backward pass.",
+    )
+    sparse_learning_rate: float = Field(default=0.05, gt=0, description="The tables' learning rate.")
+    dense_learning_rate: float = Field(
+        default=0.001, gt=0, description="The dense layers' (and data-parallel tables') Adam learning rate."
+    )
+    seed: int = Field(
+        default=0, description="Seeds the initial weights and a managed table's fresh rows, the same on every rank."
+    )
 
     @field_validator("over_arch_layer_sizes")
     @classmethod
@@ -457,44 +591,90 @@ class ModelConfig(_Strict):
 
 
 class BatchingConfig(_Strict):
-    batch_size: int = Field(default=1024, gt=0, le=1_000_000)
-    # A quiet stream still trains promptly: a batch holding at least one event is cut after this.
-    max_batch_wait_ms: int = Field(default=200, gt=0, le=600_000)
-    queue_size: int = Field(default=4, gt=0, le=1024)
+    """How each rank's prefetch thread cuts the stream into batches."""
+
+    batch_size: int = Field(default=1024, gt=0, le=1_000_000, description="Events per batch, per rank.")
+    max_batch_wait_ms: int = Field(
+        default=200,
+        gt=0,
+        le=600_000,
+        description="A quiet stream still trains promptly: a batch holding at least one event is cut after this.",
+    )
+    queue_size: int = Field(
+        default=4,
+        gt=0,
+        le=1024,
+        description="Decoded batches the prefetch thread may hold ready; it bounds the worker's memory.",
+    )
 
 
 class MetricsConfig(_Strict):
-    host: str = "127.0.0.1"
-    port: int = Field(default=9100, ge=0, le=65535)
-    log_interval_seconds: float = Field(default=5.0, gt=0)
-    auc_window: int = Field(default=100_000, gt=0)
-    # /healthz fails once the training loop has not turned for this long (a hung collective, say).
-    stall_seconds: float = Field(default=120.0, gt=0)
-    # How often the consumer lag per partition is refreshed.
-    lag_refresh_seconds: float = Field(default=5.0, gt=0)
+    """Each rank's Prometheus endpoint (/metrics, /healthz, /readyz) and progress lines (docs/operating.md)."""
+
+    host: str = Field(default="127.0.0.1", description="The address to listen on; 0.0.0.0 in a pod.")
+    port: int = Field(
+        default=9100, ge=0, le=65535, description="The port of local rank 0; rank r listens on port + LOCAL_RANK."
+    )
+    log_interval_seconds: float = Field(
+        default=5.0,
+        gt=0,
+        description="How often a progress line is logged; without checkpoint.path, also how often trained "
+        "positions are committed.",
+    )
+    auc_window: int = Field(
+        default=100_000, gt=0, description="Events in the windowed progressive AUC, NE and calibration."
+    )
+    stall_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="/healthz fails once the training loop has not turned for this long (a hung collective, say).",
+    )
+    lag_refresh_seconds: float = Field(
+        default=5.0, gt=0, description="How often the consumer lag per partition is refreshed."
+    )
 
 
 class DistributedConfig(_Strict):
-    # How long a collective waits for a peer before this rank gives up with an error.
-    timeout_seconds: float = Field(default=120.0, gt=0)
-    # Where rank 0 writes the sharding plan as JSON; empty to skip.
-    plan_path: Path | None = None
-    # From a stop (a signal, the end of --until-end or --max-events, a peer's stop) to the exit,
-    # the final snapshot included; past it the worker exits 3 without a clean close. Here, beside
-    # timeout_seconds, since the ranks stop together and a rank's shutdown waits on its peers.
-    shutdown_grace_seconds: float = Field(default=30.0, gt=0)
-    # auto: CUDA when a GPU is visible and the CUDA fbgemm-gpu is installed, else the CPU; cuda is
-    # refused at start when either is missing (see streamtrain/device.py).
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    # Memory per rank the sharding planner may fill, in GiB: GPU memory (hbm_gb) and host memory
-    # (ddr_gb). Unset: the GPU's total memory, and the host's (or its cgroup limit) divided by the
-    # ranks on the host.
-    hbm_gb: float | None = Field(default=None, gt=0)
-    ddr_gb: float | None = Field(default=None, gt=0)
-    # Threads each rank's operators run on (torch.set_num_threads). Unset: OMP_NUM_THREADS when
-    # set, else the cores this process may use, shared among the host's ranks, less one for the
-    # data path and the snapshot writer (streamtrain/device.py: intra_op_threads).
-    intra_op_threads: int | None = Field(default=None, gt=0)
+    """The ranks: timeouts, the device, the planner's memory and threads (docs/ranks.md, docs/gpus.md)."""
+
+    timeout_seconds: float = Field(
+        default=120.0,
+        gt=0,
+        description="How long a collective waits for a peer before this rank gives up with an error (exit 1).",
+    )
+    plan_path: Path | None = Field(
+        default=None, description="Where rank 0 writes the sharding plan as JSON; unset or empty: nowhere."
+    )
+    # Here, beside timeout_seconds, since the ranks stop together and a rank's shutdown waits on its peers.
+    shutdown_grace_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        description="From a stop (a signal, the end of --until-end or --max-events, a peer's stop) to the exit, "
+        "the final snapshot included; past it the worker exits 3 without a clean close.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto",
+        description="auto: CUDA when a GPU is visible and the CUDA fbgemm-gpu is installed, else the CPU; cuda "
+        "is refused at start when either is missing (streamtrain/device.py).",
+    )
+    hbm_gb: float | None = Field(
+        default=None,
+        gt=0,
+        description="GPU memory per rank the sharding planner may fill, in GiB. Unset: the GPU's total memory.",
+    )
+    ddr_gb: float | None = Field(
+        default=None,
+        gt=0,
+        description="Host memory per rank the sharding planner may fill, in GiB. Unset: the host's (or its "
+        "cgroup limit) divided by the ranks on the host.",
+    )
+    intra_op_threads: int | None = Field(
+        default=None,
+        gt=0,
+        description="Threads each rank's operators run on (torch.set_num_threads). Unset: OMP_NUM_THREADS when "
+        "set, else the cores this process may use, shared among the host's ranks, less one for the data path "
+        "and the snapshot writer.",
+    )
 
     @field_validator("plan_path", "intra_op_threads", mode="before")
     @classmethod
@@ -503,26 +683,37 @@ class DistributedConfig(_Strict):
 
 
 class CheckpointConfig(_Strict):
-    # A local or shared directory, or an fsspec URL (s3://...); unset disables checkpointing, and
-    # the worker then starts from the consumer group's committed offsets.
-    path: str | None = None
-    interval_seconds: float = Field(default=300.0, gt=0)
-    # Also snapshot every N steps; unset: time only.
-    interval_steps: int | None = Field(default=None, gt=0)
-    keep_last: int = Field(default=3, gt=0)
-    # Where dcp.async_save writes: a thread of the worker, or a helper process that does not
-    # compete with training for the GIL.
-    async_mode: Literal["thread", "process"] = "thread"
-    # A failed snapshot is counted (streamtrain_checkpoint_failures_total) and retried at the next
-    # trigger; after this many in a row the worker exits with code 6, since training on would pile
-    # up work that a crash loses.
-    max_consecutive_failures: int = Field(default=3, gt=0)
-    # A warm start: while checkpoint.path holds no snapshot, take the weights from another run's
-    # snapshot (a step-<N> folder, or a checkpoint.path: its newest complete one), at any world
-    # size. Its Kafka positions are not taken. Once this run has snapshots, they win.
-    init_from: str | None = None
-    # With init_from: take the optimizer state too; otherwise it starts fresh.
-    init_optimizer: bool = False
+    """Exactly-once snapshots of the model, the optimizers and the Kafka positions (docs/checkpoints.md)."""
+
+    path: str | None = Field(
+        default=None,
+        description="A local or shared directory, or an fsspec URL (s3://...); unset disables checkpointing, and "
+        "the worker then starts from the consumer group's committed offsets.",
+    )
+    interval_seconds: float = Field(default=300.0, gt=0, description="Snapshot this often.")
+    interval_steps: int | None = Field(default=None, gt=0, description="Also snapshot every N steps; unset: time only.")
+    keep_last: int = Field(default=3, gt=0, description="Complete snapshots kept; older ones are removed.")
+    async_mode: Literal["thread", "process"] = Field(
+        default="thread",
+        description="Where dcp.async_save writes: a thread of the worker, or a helper process that does not "
+        "compete with training for the GIL (refused on CUDA).",
+    )
+    max_consecutive_failures: int = Field(
+        default=3,
+        gt=0,
+        description="A failed snapshot is counted (streamtrain_checkpoint_failures_total) and retried at the "
+        "next trigger; after this many in a row the worker exits 6, since training on would pile up work that a "
+        "crash loses.",
+    )
+    init_from: str | None = Field(
+        default=None,
+        description="A warm start: while checkpoint.path holds no snapshot, take the weights from another run's "
+        "snapshot (a step-<N> folder, or a checkpoint.path: its newest complete one), at any world size. Its "
+        "Kafka positions are not taken. Once this run has snapshots, they win.",
+    )
+    init_optimizer: bool = Field(
+        default=False, description="With init_from: take the optimizer state too; otherwise it starts fresh."
+    )
 
     @model_validator(mode="after")
     def _init_from_needs_a_path(self) -> CheckpointConfig:
@@ -532,54 +723,97 @@ class CheckpointConfig(_Strict):
 
 
 class DeadLetterConfig(_Strict):
-    # Events that cannot be decoded are produced to `topic` (key, value, timestamp and headers as
-    # read, plus streamtrain.error.reason and streamtrain.source.* headers) before the batch that
-    # covers their offsets trains. false: they are only logged and counted, and are lost.
-    enabled: bool = True
-    # Unset: "<kafka.topic>.dlq". Create it like the source topic: while it cannot be written,
-    # consumption blocks and retries, so no event is lost.
-    topic: str | None = Field(default=None, min_length=1)
-    # One write attempt's bound (librdkafka's message.timeout.ms); failures are retried after
-    # retry_backoff_seconds, doubling up to retry_backoff_max_seconds, for as long as it takes.
-    delivery_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
-    retry_backoff_seconds: float = Field(default=1.0, gt=0)
-    retry_backoff_max_seconds: float = Field(default=60.0, gt=0)
-    # Consumption pauses for pause_seconds when more than max_error_rate of the last window_events
-    # events could not be decoded (1.0: never), then resumes with a fresh window.
-    max_error_rate: float = Field(default=0.1, gt=0, le=1)
-    window_events: int = Field(default=10_000, gt=0)
-    pause_seconds: float = Field(default=60.0, gt=0)
+    """Events that cannot be decoded, and the error-rate pause (docs/operating.md, Dead letters)."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Produce events that cannot be decoded to topic (key, value, timestamp and headers as read, "
+        "plus streamtrain.error.* and streamtrain.source.* headers) before the batch that covers their offsets "
+        "trains. false: they are only logged and counted, and are lost.",
+    )
+    topic: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Unset: <kafka.topic>.dlq. Create it like the source topic: while it cannot be written, "
+        "consumption blocks and retries, so no event is lost.",
+    )
+    delivery_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="One write attempt's bound (librdkafka's message.timeout.ms); a failed write is retried for "
+        "as long as it takes.",
+    )
+    retry_backoff_seconds: float = Field(default=1.0, gt=0, description="The wait before the first retry.")
+    retry_backoff_max_seconds: float = Field(
+        default=60.0, gt=0, description="The wait doubles after each failed retry, up to this."
+    )
+    max_error_rate: float = Field(
+        default=0.1,
+        gt=0,
+        le=1,
+        description="Consumption pauses for pause_seconds when more than this share of the last window_events "
+        "events could not be decoded (1.0: never), then resumes with a fresh window.",
+    )
+    window_events: int = Field(default=10_000, gt=0, description="The error rate's window, in events.")
+    pause_seconds: float = Field(default=60.0, gt=0, description="How long an error-rate pause lasts.")
 
     def resolved_topic(self, source_topic: str) -> str:
         return self.topic or f"{source_topic}.dlq"
 
 
 class DeliveryConfig(_Strict):
-    """Model delivery (docs/delivery.md): servable bases exported from the snapshots, and deltas of
+    """Model delivery (docs/model-delivery.md): servable bases exported from the snapshots, and deltas of
     the rows touched since the last one, cut between steps like a snapshot."""
 
-    enabled: bool = False
-    # Where deltas go: a Kafka topic on kafka.bootstrap_servers (unset: "<kafka.topic>.model";
-    # created with one partition when missing) ...
-    topic: str | None = Field(default=None, min_length=1)
-    # ... or, instead, a directory or fsspec URL: delta-<chain>-<sequence>/part-<i>, COMPLETE last.
-    directory: str | None = Field(default=None, min_length=1)
-    # Where bases are published (base-<version>/, current.json). Unset: <checkpoint.path>/serving.
-    path: str | None = Field(default=None, min_length=1)
-    # Names the model in every delta and base. Unset: kafka.topic.
-    model_id: str | None = Field(default=None, min_length=1)
-    delta_interval_seconds: float = Field(default=5.0, gt=0)
-    # Also cut a delta every N steps; 0: time only. With checkpoint.interval_steps equal to it, a
-    # delta and a snapshot fall on the same steps (the tests compare them).
-    delta_interval_steps: int = Field(default=0, ge=0)
-    # A base from the newest committed snapshot this often, besides the one at start and at a
-    # graceful stop.
-    base_interval_seconds: float = Field(default=600.0, gt=0)
-    # Bases kept in delivery.path (the export removes older ones, never the one current.json names).
-    keep_bases: int = Field(default=3, gt=0)
-    # One attempt to deliver a delta (librdkafka's message.timeout.ms); a failed one is counted
-    # and retried, doubling the wait up to 30 s, while training goes on (see README).
-    delivery_timeout_seconds: float = Field(default=30.0, gt=0, le=3600)
+    enabled: bool = Field(
+        default=False, description="Publish deltas and bases; needs checkpoint.path (the worker exits 2 without)."
+    )
+    topic: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The delta topic on kafka.bootstrap_servers; unset: <kafka.topic>.model, created with one "
+        "partition when missing.",
+    )
+    directory: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Instead of the topic: a directory or fsspec URL of delta-<chain>-<sequence>/part-<i> files, "
+        "COMPLETE last; deltas older than the oldest kept base are removed.",
+    )
+    path: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Where bases are published (base-<version>/, current.json). Unset: <checkpoint.path>/serving.",
+    )
+    model_id: str | None = Field(
+        default=None, min_length=1, description="Names the model in every delta and base. Unset: kafka.topic."
+    )
+    delta_interval_seconds: float = Field(default=5.0, gt=0, description="Cut a delta this often.")
+    delta_interval_steps: int = Field(
+        default=0,
+        ge=0,
+        description="Also cut a delta every N steps; 0: time only. With checkpoint.interval_steps equal to it, "
+        "deltas and snapshots fall on the same steps.",
+    )
+    base_interval_seconds: float = Field(
+        default=600.0,
+        gt=0,
+        description="Export a base from the newest committed snapshot this often, besides the one at start and at "
+        "a graceful stop.",
+    )
+    keep_bases: int = Field(
+        default=3,
+        gt=0,
+        description="Bases kept in delivery.path (older ones are removed, never the one current.json names).",
+    )
+    delivery_timeout_seconds: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="One attempt to deliver a delta (librdkafka's message.timeout.ms); a failed one is counted and "
+        "retried, doubling the wait up to 30 s, while training goes on.",
+    )
 
     def resolved_topic(self, source_topic: str) -> str:
         return self.topic or f"{source_topic}.model"
@@ -597,15 +831,17 @@ class DeliveryConfig(_Strict):
 
 
 class WorkerConfig(_Strict):
-    kafka: KafkaConfig
-    features: FeaturesConfig
-    model: ModelConfig = ModelConfig()
-    batching: BatchingConfig = BatchingConfig()
-    metrics: MetricsConfig = MetricsConfig()
-    distributed: DistributedConfig = DistributedConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    dead_letter: DeadLetterConfig = DeadLetterConfig()
-    delivery: DeliveryConfig = DeliveryConfig()
+    """The worker's whole configuration: one YAML file, each field overridable from the environment."""
+
+    kafka: KafkaConfig = Field(description="The source cluster and topic.")
+    features: FeaturesConfig = Field(description="The schema, the wire format and the features.")
+    model: ModelConfig = Field(default=ModelConfig(), description="The model and its optimizers.")
+    batching: BatchingConfig = Field(default=BatchingConfig(), description="How batches are cut.")
+    metrics: MetricsConfig = Field(default=MetricsConfig(), description="Prometheus and progress lines.")
+    distributed: DistributedConfig = Field(default=DistributedConfig(), description="The ranks and the device.")
+    checkpoint: CheckpointConfig = Field(default=CheckpointConfig(), description="Snapshots and warm starts.")
+    dead_letter: DeadLetterConfig = Field(default=DeadLetterConfig(), description="Undecodable events.")
+    delivery: DeliveryConfig = Field(default=DeliveryConfig(), description="Bases and deltas for serving.")
 
     @model_validator(mode="after")
     def _deltas_elsewhere(self) -> WorkerConfig:
@@ -778,7 +1014,7 @@ def _format_errors(error: ValidationError) -> str:
         env = ENV_PREFIX + "__".join(str(p).upper() for p in problem["loc"])
         message = problem["msg"].removeprefix("Value error, ")
         if problem["type"] == "extra_forbidden":
-            message = "unknown field; check its spelling against the README's configuration reference"
+            message = "unknown field; check its spelling against the configuration reference (docs/configuration.md)"
         elif problem["type"] == "missing":
             message = f"required; set it in the YAML file or with {env}"
         lines.append(f"  {where}: {message}")

@@ -34,7 +34,7 @@ EXIT_LOGIN_REFUSED = 5
 
 class KafkaUnavailable(RuntimeError):
     """Kafka cannot be read at all: no broker answered at start-up, or the brokers refused the login.
-    ``exit_code`` is what the worker exits with (README, Operating)."""
+    ``exit_code`` is what the worker exits with (docs/operating.md, Exit codes)."""
 
     def __init__(self, message: str, exit_code: int):
         super().__init__(message)

@@ -2,7 +2,7 @@
 
 A user's recent categories matter most where they hold the ad's own category. DLRM sees the two
 features only as pooled embeddings and their dot product, where a match is one term among the
-history's others, and a model learns each category's match one pair of rows at a time (the README's
+history's others, and a model learns each category's match one pair of rows at a time (docs/benchmarks.md,
 ``bench quality`` found 0.27 of the planted effect learnt). Target attention (DIN) scores every
 history id against the candidate instead; this is its exact-match kernel: per pair of features,
 the count of history ids equal to the candidate's, read from the batch's ids, with no parameters.

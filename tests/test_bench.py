@@ -307,8 +307,6 @@ def test_report_renders_markdown_and_plots_from_results(tmp_path):
         (results / f"{name}-20260101-000000.json").write_text(
             json.dumps({"benchmark": name, "machine": machine, **fields})
         )
-    readme = tmp_path / "README.md"
-    readme.write_text("before\n<!-- bench-report:start -->\nold\n<!-- bench-report:end -->\nafter\n")
     result = subprocess.run(
         [
             sys.executable,
@@ -320,8 +318,6 @@ def test_report_renders_markdown_and_plots_from_results(tmp_path):
             str(results),
             "--out",
             str(tmp_path / "out"),
-            "--readme",
-            str(readme),
         ],
         cwd=REPO,
         capture_output=True,
@@ -329,10 +325,10 @@ def test_report_renders_markdown_and_plots_from_results(tmp_path):
         timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    text = readme.read_text()
-    assert text.startswith("before\n") and text.endswith("after\n") and "old" not in text
+    text = (tmp_path / "out" / "report.md").read_text()
+    assert text.startswith("# Latest benchmark results\n")
     assert "| naive consume-decode-train loop |" in text and "| 50% |" in text
-    assert (tmp_path / "out" / "report.md").exists()
+    assert "![throughput](throughput.png)" in text  # beside the page, as the docs site has it
     assert {p.name for p in (tmp_path / "out").glob("*.png")} == {
         "throughput.png",
         "memory_rss.png",

@@ -1,6 +1,6 @@
 """The data path made ready for GPUs, checked on CPU: pinned batches (a seam, since pinning needs a
 CUDA driver), step values read one step late, KJT length caches, the vote after the forward, and
-snapshot staging chosen per device. What only a GPU can show is listed in the README."""
+snapshot staging chosen per device. What only a GPU can show is listed in docs/gpus.md."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 No Docker engine or cluster is needed: the Dockerfiles, manifests and the Makefile are read as
 text. What this cannot show is that the images build (the base image tags and the indexes are
-not reachable from the test machine); README's GPUs section says what was checked by hand."""
+not reachable from the test machine); docs/gpus.md says what was checked by hand."""
 
 import re
 import subprocess

@@ -1,5 +1,5 @@
-"""Two torchrun "nodes" on one host, joined by a c10d rendezvous on 127.0.0.1, as README's
-"Several ranks" documents for a multi-node job: a stop to either node, a dead node, and a restart
+"""Two torchrun "nodes" on one host, joined by a c10d rendezvous on 127.0.0.1, as docs/ranks.md
+documents for a multi-node job: a stop to either node, a dead node, and a restart
 from the snapshot they wrote together, exactly once."""
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def test_nnodes_stop_together_fail_together_and_restore_exactly_once(kafka, topi
     assert stopped[0][1] == stopped[1][1]  # at the same step
     assert nodes[1].wait(timeout=60) != 0  # torchrun re-raises the signal it was stopped by
     # The other torchrun saw its rank exit 0. It may then wait up to 300 s in torchrun's exit
-    # barrier for the signalled agent, which never comes, deaf to signals (README); nothing is left
+    # barrier for the signalled agent, which never comes, deaf to signals (docs/ranks.md); nothing is left
     # to lose by killing it. Which torchrun hosts the rendezvous store is a race at start: where the
     # signalled one did, the other's agent loses the store before it sees its rank succeed, and
     # exits 1 on torch's RendezvousConnectionError, its rank stopped cleanly all the same (above).

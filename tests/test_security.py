@@ -34,7 +34,7 @@ def sasl_kafka():
 
 
 def sasl_worker_config(tmp_path: Path, password: str) -> Path:
-    """The small test config, logging in as README's "Training from your own Kafka cluster" shows."""
+    """The small test config, logging in as docs/getting-started.md's "Training from your own Kafka cluster" shows."""
     secret = tmp_path / "kafka-password"
     secret.write_text(password + "\n")
     raw = yaml.safe_load(SMALL_CONFIG.read_text())

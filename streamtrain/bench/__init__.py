@@ -164,7 +164,7 @@ def main(name: str, argv: list[str]) -> int:
     if name == "report":
         from streamtrain.bench.report import report
 
-        print(report(args.results, args.out, args.readme))
+        print(report(args.results, args.out))
         return 0
     failed = []
     for bench in BENCHMARKS:

@@ -1,18 +1,20 @@
 """``streamtrain bench report``: the newest result of each benchmark as one markdown table per
-benchmark and PNG plots (throughput bars with ratios, RSS over time, freshness CDF)."""
+benchmark and PNG plots (throughput bars with ratios, RSS over time, freshness CDF), written as the
+docs site's page of latest results (docs/bench/report.md, the PNGs beside it). results/ is ignored
+by git: the page is committed as last rendered, and without results it is left as it is
+(docs/benchmarks.md says so)."""
 
 from __future__ import annotations
 
 import argparse
 import datetime
-import os
 from pathlib import Path
 
 from streamtrain.bench import BENCHMARKS, module
 from streamtrain.bench.common import RESULTS, describe_machine, latest
 from streamtrain.dev import CHECKOUT
 
-START, END = "<!-- bench-report:start -->", "<!-- bench-report:end -->"
+TITLE = "# Latest benchmark results"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,13 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=Path,
         default=CHECKOUT / "docs" / "bench",
-        help="where report.md and the PNGs go (default docs/bench/)",
-    )
-    parser.add_argument(
-        "--readme",
-        type=Path,
-        default=None,
-        help=f"also replace the text between {START} and {END} in this file (e.g. README.md)",
+        help="where report.md and the PNGs go (default docs/bench/, the docs site's page)",
     )
 
 
@@ -128,7 +124,7 @@ def plots(results: dict[str, dict], out: Path) -> list[Path]:
     return written
 
 
-def report(results_dir: Path = RESULTS, out: Path | None = None, readme: Path | None = None) -> str:
+def report(results_dir: Path = RESULTS, out: Path | None = None) -> str:
     out = out or CHECKOUT / "docs" / "bench"
     out.mkdir(parents=True, exist_ok=True)
     order = ["e2e", "freshness", "pipeline"] + [
@@ -139,10 +135,11 @@ def report(results_dir: Path = RESULTS, out: Path | None = None, readme: Path | 
         return f"no results under {results_dir}: run `streamtrain bench all` first"
     first = next(iter(results.values()))
     sections = [
+        f"{TITLE}\n",
         f"Measured on {describe_machine(first['machine'])}; each part names the command that made it, "
-        f"and `streamtrain bench report --readme README.md` rendered them "
-        f"({datetime.date.today().isoformat()}). Ratios are the figures: each is measured side by side "
-        f"in one run.\n"
+        f"and `streamtrain bench report` rendered them ({datetime.date.today().isoformat()}) from "
+        f"`results/*.json`. Ratios are the figures: each is measured side by side in one run. "
+        f"[Benchmarks](../benchmarks.md) says what each measures and how to run it.\n",
     ]
     for name, result in results.items():
         command = result.get("command", f"streamtrain bench {name}").strip()
@@ -151,16 +148,10 @@ def report(results_dir: Path = RESULTS, out: Path | None = None, readme: Path | 
             f"**{name}** (`{command}`, {result.get('written', 'undated')}{quick})\n\n{markdown(name, result)}\n"
         )
     images = plots(results, out)
-    relative = [os.path.relpath(p, readme.parent) if readme else p.name for p in images]
-    for image in relative:
-        sections.append(f"![{Path(image).stem}]({image})\n")
+    for image in images:
+        sections.append(f"![{image.stem}]({image.name})\n")
     text = "\n".join(sections)
     (out / "report.md").write_text(text)
-    if readme:
-        body = readme.read_text()
-        if START in body and END in body:
-            head, rest = body.split(START, 1)
-            readme.write_text(f"{head}{START}\n{text}\n{END}{rest.split(END, 1)[1]}")
     return text + f"\nwritten: {out / 'report.md'}, " + ", ".join(str(p) for p in images)
 
 

@@ -1,0 +1,137 @@
+"""The README as a short front door, and the docs site: it builds strictly (a broken link or anchor
+fails it), its configuration reference is the code's, its runnable blocks run, and every command's
+help names its page."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from markdown.extensions.toc import slugify
+from pydantic import Field
+
+from streamtrain.cli import DOCS_PAGES, build_parser
+from streamtrain.config import BatchingConfig, WorkerConfig, _not_a_field, parse_config
+from streamtrain.dev.docs import REFERENCE, UndocumentedFields, config_reference
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = REPO / "docs"
+RUNNABLE = re.compile(r"<!-- runnable -->\n```sh\n(.*?)\n```", re.DOTALL)
+
+
+def build(config: Path, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config), "--site-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def anchors(page: Path) -> set[str]:
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(), flags=re.DOTALL), re.MULTILINE)
+    return {slugify(h.replace("`", ""), "-") for h in headings}
+
+
+def nav_pages() -> set[str]:
+    def pages(node) -> list[str]:
+        if isinstance(node, str):
+            return [node]
+        items = node.values() if isinstance(node, dict) else node
+        return [page for item in items for page in pages(item)]
+
+    return set(pages(yaml.safe_load((REPO / "mkdocs.yml").read_text())["nav"]))
+
+
+def test_the_readme_is_a_short_front_door():
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 250
+    links = re.findall(r"\]\((docs/[^)#\s]+)(?:#([^)\s]+))?\)", readme)
+    assert links, "the README points at the docs"
+    for target, anchor in links:
+        assert (REPO / target).is_file(), f"README links to {target}, which does not exist"
+        assert not anchor or anchor in anchors(REPO / target), f"README links to {target}#{anchor}: no such heading"
+    # Its config for your own cluster is a valid one.
+    block = re.search(r"```yaml\n(kafka:.*?)```", readme, re.DOTALL)
+    assert block is not None
+    parse_config(yaml.safe_load(block.group(1)), environ={})
+
+
+def test_the_site_builds_strictly(tmp_path):
+    result = build(REPO / "mkdocs.yml", tmp_path / "site")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (tmp_path / "site" / "configuration" / "index.html").exists()
+
+
+def test_a_broken_link_or_anchor_fails_the_build(tmp_path):
+    copy = tmp_path / "repo"
+    shutil.copytree(DOCS, copy / "docs")
+    shutil.copy(REPO / "mkdocs.yml", copy / "mkdocs.yml")
+    page = copy / "docs" / "getting-started.md"
+    text = page.read_text()
+
+    page.write_text(text + "\nSee [the missing page](no-such-page.md).\n")
+    result = build(copy / "mkdocs.yml", tmp_path / "site")
+    assert result.returncode != 0 and "no-such-page.md" in result.stderr, result.stderr[-3000:]
+
+    page.write_text(text + "\nSee [a missing section](operating.md#no-such-section).\n")
+    result = build(copy / "mkdocs.yml", tmp_path / "site")
+    assert result.returncode != 0 and "no-such-section" in result.stderr, result.stderr[-3000:]
+
+
+def test_the_configuration_reference_is_the_codes():
+    reference = config_reference()
+    assert REFERENCE.read_text() == reference, "stale: run `python -m streamtrain.dev.docs` and commit it"
+    # Every variable it names is one the worker reads.
+    for name in set(re.findall(r"STREAMTRAIN_[A-Z][A-Za-z0-9_<>]*", reference)):
+        if "<property>" not in name:
+            path = name.removeprefix("STREAMTRAIN_").replace("<i>", "0").lower().split("__")
+            assert _not_a_field(path) is None, name
+
+
+def test_a_field_without_a_description_fails_the_reference():
+    class Batching(BatchingConfig):
+        new_knob: int = 1
+
+    class Worker(WorkerConfig):
+        batching: Batching = Field(default=Batching(), description="How batches are cut.")
+
+    with pytest.raises(UndocumentedFields, match=r"batching\.new_knob"):
+        config_reference(Worker)
+
+    class DocumentedBatching(BatchingConfig):
+        new_knob: int = Field(default=1, description="A knob.")
+
+    class DocumentedWorker(WorkerConfig):
+        batching: DocumentedBatching = Field(default=DocumentedBatching(), description="How batches are cut.")
+
+    assert "| `new_knob`<br>`STREAMTRAIN_BATCHING__NEW_KNOB` | int | `1` | A knob. |" in config_reference(
+        DocumentedWorker
+    )
+
+
+def test_the_getting_started_pages_runnable_blocks_run():
+    blocks = RUNNABLE.findall((DOCS / "getting-started.md").read_text())
+    assert len(blocks) >= 2
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for block in blocks:
+        result = subprocess.run(
+            ["bash", "-e", "-c", block], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 0, f"{block}\n{result.stdout[-2000:]}{result.stderr[-2000:]}"
+
+
+def test_every_command_names_its_docs_page():
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    pages = nav_pages()
+    for name, command in {"streamtrain": parser, **commands}.items():
+        page = DOCS_PAGES[name]
+        assert f"docs/{page}" in command.format_help().replace("\n", " "), name
+        assert page in pages, f"{name}'s page {page} is not in mkdocs.yml's nav"
