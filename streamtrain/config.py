@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import time
 import types
 from collections.abc import Mapping
 from datetime import UTC, date, datetime, timedelta
@@ -303,9 +304,21 @@ class FeaturesConfig(_Strict):
     dense: list[DenseFeature] = Field(min_length=1)
     label: str = "clk"
     event_time: str = "event_time"
+    max_event_time_skew_seconds: float = Field(
+        default=3600.0,
+        gt=0,
+        description="how far past this host's wall time an event time is believed: a later one (a producer "
+        "writing microseconds, a wrong clock) is taken as wall time + this for ttl eviction and freshness, "
+        "and counted in streamtrain_event_times_clamped_total",
+    )
     # A NaN or infinite dense value (after its transform, as float32): dead_letter rejects the
     # event; clip trains it with NaN as 0 and +-inf as +-float32 max.
     non_finite_dense: Literal["dead_letter", "clip"] = "dead_letter"
+
+    def event_time_bound_ms(self, now: float | None = None) -> int:
+        """The latest event time believed at wall time ``now`` (seconds; unset: now). A later one
+        is taken as this bound for ttl eviction and freshness (docs/durability.md)."""
+        return int(((time.time() if now is None else now) + self.max_event_time_skew_seconds) * 1000)
 
     @model_validator(mode="after")
     def _unique_names(self) -> FeaturesConfig:
