@@ -755,7 +755,7 @@ class Checkpointer:
         """Every rank loads ``parts`` of the same snapshot: the newest each rank verifies (the
         MIN over ranks); if any rank cannot verify or load it, all fall back to the next older
         one together. Ranks that restored different cuts would train from mixed positions. Why
-        each one skipped was skipped is appended to ``reasons``."""
+        each skipped one was skipped is appended to ``reasons``."""
         for unusable in (s for s in snapshots if not s.complete):
             log.warning("skipping snapshot %s: %s", unusable.path, unusable.problem)
             reasons.append(f"{unusable.path}: {unusable.problem}")
@@ -816,8 +816,8 @@ class Checkpointer:
         if partial:
             matched = _matching_only(state, reader.read_metadata())
             if "id_space" in state:
-                # checked before anything is loaded: a managed table added or resized has no usable
-                # id map in the snapshot, and starts empty (its rows were not loaded either)
+                # decided before anything is loaded: a managed table added or resized has no usable
+                # id map in the snapshot, and its map starts empty
                 matched["id_space"] = _whole_id_maps(state["id_space"], matched.get("id_space", {}))
             state = matched
         dcp.load(

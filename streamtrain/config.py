@@ -681,7 +681,8 @@ class WorkerConfig(_Strict):
         """What gives a snapshot's tensors their meaning, for a snapshot's marker and a servable
         base: the features and model sections and the topic, without hosts, client properties or
         paths to secrets (a base leaves the cluster the worker ran in)."""
-        features = self.features.model_dump(mode="json", exclude={"schema_registry"})
+        # the skew bounds training, not what the tensors mean; left out, a base still loads in an older server
+        features = self.features.model_dump(mode="json", exclude={"schema_registry", "max_event_time_skew_seconds"})
         if self.features.schema_registry is not None:
             features["schema_registry"] = {"url": self.features.schema_registry.url}
         return {
