@@ -679,7 +679,7 @@ class Checkpointer:
                 fs.makedirs(_fs(aside)[1], exist_ok=True)
                 for name in moving:
                     fs.mv(_join(base, name), _join(_fs(aside)[1], name), recursive=True)
-                log.warning("--fresh-start: moved %d snapshot(s) of %s aside to %s", len(moving), self.root, aside)
+                log.warning("--fresh-start: moved %s of %s aside to %s", ", ".join(sorted(moving)), self.root, aside)
         self._agree(0, dist.ReduceOp.SUM)  # no rank lists snapshots before they are aside
         return aside
 
