@@ -7,7 +7,11 @@ updates of exactly the batches whose positions it records. It is written asynchr
 renames the folder to ``step-<N>``, then points ``latest`` at it. Restoring loads the newest
 snapshot that every rank verifies and loads, skipping partial or damaged ones with a warning, and
 the consumer starts from the positions in it, never from the consumer group's committed offsets.
-A snapshot that fails to write is counted and removed, and the next trigger tries again.
+If snapshots exist and none loads, the worker refuses to start (``RestoreRefused``) rather than
+train from scratch beside them; ``--fresh-start`` moves them aside first. A snapshot that fails to
+write is counted and removed, and the next trigger tries again. Commits go through
+``streamtrain.durable`` (fsync, then rename); retention keeps the snapshots committed last.
+docs/durability.md says what survives what.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.staging import AsyncStager, DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
+from streamtrain import durable
 from streamtrain.config import CheckpointConfig, WorkerConfig
 from streamtrain.heads import architecture
 from streamtrain.schema import field_kind, load_schema
@@ -52,6 +57,9 @@ FORMAT_VERSION = 1
 FINGERPRINT_VERSION = 2
 # The worker's exit code once checkpoint.max_consecutive_failures snapshots in a row failed.
 EXIT_SNAPSHOTS_FAILING = 6
+# The worker's exit code when checkpoint.path holds snapshots and none of them loads.
+EXIT_RESTORE_REFUSED = 7
+ASIDE = "aside-"
 
 
 class CheckpointError(RuntimeError):
@@ -60,6 +68,11 @@ class CheckpointError(RuntimeError):
 
 class SnapshotsFailing(CheckpointError):
     """Too many snapshots in a row failed: every rank raises it at the same step, and exits."""
+
+
+class RestoreRefused(CheckpointError):
+    """Snapshots exist and none can be restored: every rank raises it, and the worker exits with
+    ``EXIT_RESTORE_REFUSED``, leaving them where they are."""
 
 
 @dataclass(frozen=True)
@@ -224,7 +237,7 @@ def _fingerprint_v1(config: WorkerConfig) -> dict[str, str]:
         return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     return {
-        "features": digest(config.features.model_dump(exclude={"schema_path"})),
+        "features": digest(config.features.model_dump(exclude={"schema_path", "max_event_time_skew_seconds"})),
         "model": digest(
             config.model.model_dump(
                 # the learning rates and seed never counted; the multi-task fields came after version 1
@@ -337,6 +350,18 @@ class SnapshotInfo:
     metadata: dict[str, Any] | None
     bytes: int
 
+    @property
+    def committed(self) -> bool:
+        """Whether rank 0 renamed it into place: a ``step-<N>`` folder, loadable or not."""
+        return not self.path.rstrip("/").endswith(PARTIAL)
+
+    @property
+    def commit_order(self) -> tuple[int, float, int]:
+        """When it was committed: the marker's commit sequence (0 in markers written before it), then
+        its wall time, then its step. A run restarted at a lower step commits later, not lower."""
+        meta = self.metadata or {}
+        return int(meta.get("commit", 0)), float(meta.get("wall_time", 0.0)), self.step
+
 
 def _step_of(name: str) -> int | None:
     stem = name[: -len(PARTIAL)] if name.endswith(PARTIAL) else name
@@ -443,6 +468,8 @@ class Checkpointer:
         self.last_attempt_step = 0
         self.consecutive_failures = 0
         self.last_failure = ""
+        self.commits = 0  # by this process; see _next_commit
+        self.commit_base = 0
         # Steps whose snapshots a reader outside this class is still using (a base export): kept
         # past keep_last until it lets go.
         self.pinned: set[int] = set()
@@ -522,6 +549,8 @@ class Checkpointer:
         if not self._all_ok(error is None):  # committed before anyone relies on it
             self._failed(partial_path, stream.step, error)
             return None
+        if self.rank == 0:  # after the commit: removing old snapshots can fail, the commit stands
+            self._retain()
         self.consecutive_failures = 0
         duration = time.monotonic() - started
         self.last_saved_at = time.monotonic()
@@ -595,26 +624,64 @@ class Checkpointer:
             },
             "wall_time": time.time(),
             "save_seconds": round(seconds, 3),
+            # the order retention keeps by: one past every commit under checkpoint.path
+            "commit": self._next_commit(),
         }
         fs.pipe_file(_join(partial, MARKER), json.dumps(marker, indent=2).encode())
-        if fs.exists(final):  # a replay of the same step after a crash: the new cut replaces it
-            fs.rm(final, recursive=True)
-        fs.mv(partial, final, recursive=True)
+        # a replay of the same step after a crash: the new cut replaces it
+        durable.publish_folder(fs, partial, final)
         _, base = _fs(self.root)
-        fs.pipe_file(_join(base, "latest.tmp"), final.rstrip("/").rsplit("/", 1)[-1].encode())
-        fs.mv(_join(base, "latest.tmp"), _join(base, "latest"))
-        self._retain()
+        durable.publish_file(fs, _join(base, "latest"), final.rstrip("/").rsplit("/", 1)[-1].encode())
+        self.commits += 1
+
+    def _next_commit(self) -> int:
+        if self.commits == 0:  # the first commit of this process: continue after what is there
+            self.commit_base = max((s.commit_order[0] for s in list_snapshots(self.root)), default=0)
+        return self.commit_base + self.commits + 1
 
     def _retain(self) -> None:
-        snapshots = list_snapshots(self.root)
-        complete = [s for s in snapshots if s.complete]
+        """Keep the ``keep_last`` snapshots committed last (and the pinned ones); remove the older
+        ones, and leftovers of crashed saves older than the newest. By commit order, not step: a run
+        restarted at a lower step keeps its own snapshots. A removal that fails is logged and
+        counted, and retried at the next commit; the commit it followed stands."""
+        try:
+            snapshots = list_snapshots(self.root)
+        except Exception as error:
+            self._retention_failed(self.root, error)
+            return
+        complete = sorted((s for s in snapshots if s.complete), key=lambda s: s.commit_order, reverse=True)
         keep = {s.path for s in complete[: self.config.keep_last]} | {s.path for s in complete if s.step in self.pinned}
         newest = complete[0].step if complete else 0
         fs, _ = _fs(self.root)
         for snapshot in snapshots:
-            # keep the newest K complete ones; drop older ones, and leftovers of crashed saves
             if snapshot.path not in keep and (snapshot.complete or snapshot.step < newest):
-                fs.rm(_fs(snapshot.path)[1], recursive=True)
+                try:
+                    fs.rm(_fs(snapshot.path)[1], recursive=True)
+                except Exception as error:
+                    self._retention_failed(snapshot.path, error)
+
+    def _retention_failed(self, path: str, error: Exception) -> None:
+        log.warning("retention: could not remove %s (tried again at the next commit): %s", path, _first_line(error))
+        if self.metrics:
+            self.metrics.checkpoint_retention_failures.inc()
+
+    def set_aside(self) -> str | None:
+        """``--fresh-start``: move this path's snapshots and ``latest`` into ``aside-<UTC time>/``
+        beside them (never deleted), so that this run starts at the configured position. Returns
+        that folder, or None when there was nothing to move. Call on every rank before ``restore``."""
+        aside = None
+        if self.rank == 0:
+            fs, base = _fs(self.root)
+            names = [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(base, detail=False)]
+            moving = [n for n in names if _step_of(n) is not None or n == "latest"]
+            if moving:
+                aside = _join(self.root, ASIDE + time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()))
+                fs.makedirs(_fs(aside)[1], exist_ok=True)
+                for name in moving:
+                    fs.mv(_join(base, name), _join(_fs(aside)[1], name), recursive=True)
+                log.warning("--fresh-start: moved %s of %s aside to %s", ", ".join(sorted(moving)), self.root, aside)
+        self._agree(0, dist.ReduceOp.SUM)  # no rank lists snapshots before they are aside
+        return aside
 
     def _gather(self, local: StreamState) -> StreamState:
         if self.world_size == 1:
@@ -628,10 +695,20 @@ class Checkpointer:
 
     # --- restoring ------------------------------------------------------------------------
     def restore(self, allow_partial: bool = False) -> StreamState | None:
-        """Load the newest snapshot that every rank verifies and loads; None if there is none."""
-        loaded = self._load_agreed(list_snapshots(self.root), allow_partial, ("model", "optimizer", "stream"))
+        """Load the newest snapshot that every rank verifies and loads; None if there is none.
+        Raises ``RestoreRefused`` if snapshots were committed here and none of them loads."""
+        snapshots = list_snapshots(self.root)
+        reasons: list[str] = []
+        loaded = self._load_agreed(snapshots, allow_partial, ("model", "optimizer", "stream"), reasons)
         if loaded is None:
-            return None
+            if not self._agree(int(any(s.committed for s in snapshots)), dist.ReduceOp.MAX):
+                return None  # nothing ever committed here (at most the leftovers of a first save)
+            raise RestoreRefused(
+                f"{self.root} holds snapshots and none of them loads: {'; '.join(reasons)}. Nothing was removed. "
+                f"Fix what the reasons name and restart; or pass --allow-partial-restore if the config changed; "
+                f"or pass --fresh-start to move them aside (into {ASIDE}<time>/ there) and start at the configured "
+                f"position. Exiting with code {EXIT_RESTORE_REFUSED}."
+            )
         snapshot, stream = loaded
         assert stream is not None and snapshot.metadata is not None
         log.info(
@@ -656,11 +733,12 @@ class Checkpointer:
             else list_snapshots(source)
         )
         parts = ("model", "optimizer") if with_optimizer else ("model",)
-        loaded = self._load_agreed(candidates, allow_partial, parts)
+        reasons: list[str] = []
+        loaded = self._load_agreed(candidates, allow_partial, parts, reasons)
         if loaded is None:
             raise CheckpointError(
-                f"checkpoint.init_from {source} holds no snapshot that every rank can load (see "
-                f"the warnings above); fix or remove checkpoint.init_from to start from scratch"
+                f"checkpoint.init_from {source} holds no snapshot that every rank can load ({'; '.join(reasons)}); "
+                f"fix or remove checkpoint.init_from to start from scratch"
             )
         snapshot = loaded[0]
         log.info(
@@ -672,13 +750,15 @@ class Checkpointer:
         )
 
     def _load_agreed(
-        self, snapshots: list[SnapshotInfo], allow_partial: bool, parts: tuple[str, ...]
+        self, snapshots: list[SnapshotInfo], allow_partial: bool, parts: tuple[str, ...], reasons: list[str]
     ) -> tuple[SnapshotInfo, StreamState | None] | None:
         """Every rank loads ``parts`` of the same snapshot: the newest each rank verifies (the
         MIN over ranks); if any rank cannot verify or load it, all fall back to the next older
-        one together. Ranks that restored different cuts would train from mixed positions."""
+        one together. Ranks that restored different cuts would train from mixed positions. Why
+        each skipped one was skipped is appended to ``reasons``."""
         for unusable in (s for s in snapshots if not s.complete):
             log.warning("skipping snapshot %s: %s", unusable.path, unusable.problem)
+            reasons.append(f"{unusable.path}: {unusable.problem}")
         verified = {s.step: s for s in snapshots if s.complete}
         below: int | None = None
         while True:  # ends: each turn lowers ``below`` to a step some rank verified, or to -1
@@ -697,19 +777,18 @@ class Checkpointer:
             # 0: every rank loads it; 1: some rank cannot verify it; 2: some rank refuses it
             verdict = self._agree(1 if snapshot is None else 2 if refused else 0, dist.ReduceOp.MAX)
             if verdict == 2:
-                raise CheckpointError(
+                raise RestoreRefused(
                     f"the snapshot {snapshot.path if snapshot else f'at step {step}'} does not fit this worker: "
                     f"{'; '.join(differences) or 'another rank refused it (see its log)'}. "
                     f"Its tensors would not mean the same thing here. Restore it with the config it was written "
                     f"with, point checkpoint.path elsewhere to start fresh, or pass --allow-partial-restore to "
-                    f"load only the tensors whose names and shapes still match."
+                    f"load only the tensors whose names and shapes still match. Exiting with code "
+                    f"{EXIT_RESTORE_REFUSED}."
                 )
             if verdict == 1:
-                log.warning(
-                    "skipping the snapshot at step %d: %s",
-                    step,
-                    "this rank cannot verify it" if snapshot is None else "another rank cannot verify it (see its log)",
-                )
+                why = "another rank cannot verify it (see its log)" if snapshot else "this rank cannot verify it"
+                log.warning("skipping the snapshot at step %d: %s", step, why)
+                reasons.append(f"the snapshot at step {step}: {why}")
                 continue
             assert snapshot is not None
             stream, error = None, None
@@ -719,11 +798,14 @@ class Checkpointer:
                 error = load_error
             if self._all_ok(error is None):
                 return snapshot, stream
-            log.warning(
-                "skipping snapshot %s: loading it failed %s",
-                snapshot.path,
-                f"here: {_first_line(error)}" if error else "on another rank (see its log)",
-            )
+            why = f"loading it failed {f'here: {_first_line(error)}' if error else 'on another rank (see its log)'}"
+            if differences:  # a partial load writes only some tensors: an older one would not overwrite them all
+                raise RestoreRefused(
+                    f"the partial restore of {snapshot.path} failed after it began loading ({why}); the model may be "
+                    f"half-loaded, so the worker does not train it. Exiting with code {EXIT_RESTORE_REFUSED}."
+                )
+            log.warning("skipping snapshot %s: %s", snapshot.path, why)
+            reasons.append(f"{snapshot.path}: {why}")
 
     def _load(self, path: str, partial: bool, parts: tuple[str, ...]) -> StreamState | None:
         if "optimizer" in parts:
@@ -732,7 +814,12 @@ class Checkpointer:
         state = {k: v for k, v in self._state_dict("").items() if k in parts}
         reader = _fsspec_reader(path) if _is_url(path) else FileSystemReader(_fs(path)[1])
         if partial:
-            state = _matching_only(state, reader.read_metadata())
+            matched = _matching_only(state, reader.read_metadata())
+            if "id_space" in state:
+                # decided before anything is loaded: a managed table added or resized has no usable
+                # id map in the snapshot, and its map starts empty
+                matched["id_space"] = _whole_id_maps(state["id_space"], matched.get("id_space", {}))
+            state = matched
         dcp.load(
             state,
             storage_reader=reader,
@@ -740,13 +827,26 @@ class Checkpointer:
             planner=DefaultLoadPlanner(allow_partial_load=partial),
         )
         self.model.load_state_dict(state["model"], strict=not partial)
-        if "id_space" in state and self.id_space is not None:
+        if state.get("id_space") and self.id_space is not None:
             self.id_space.load_state_dict(state["id_space"])
         if "optimizer" in parts and not partial:
             # DCP filled the optimizer's state tensors in place; this restores the rest (steps,
             # param groups). A partial restore keeps the loaded tensors and fresh counters.
             self.optimizer.load_state_dict(state["optimizer"])
         return StreamState.from_json(state["stream"]) if "stream" in parts else None
+
+
+def _whole_id_maps(full: dict[str, Any], matched: dict[str, Any]) -> dict[str, Any]:
+    """The managed tables' id maps a partial restore can load: those the snapshot holds whole
+    (every array, at this table's size), with the id space's step; none if it holds none."""
+    whole = {
+        name: tables
+        for name, tables in matched.items()
+        if name != "step" and isinstance(tables, dict) and set(tables) == set(full[name])
+    }
+    for name in sorted(set(full) - {"step"} - set(whole)):
+        log.warning("partial restore: the snapshot holds no usable id map for table %s; it starts empty", name)
+    return {**whole, "step": matched["step"]} if whole else {}
 
 
 def _matching_only(state: dict[str, Any], metadata: Metadata) -> dict[str, Any]:

@@ -86,6 +86,7 @@ def _worker(args: argparse.Namespace) -> int:
             until_end=args.until_end,
             max_events=args.max_events,
             allow_partial_restore=args.allow_partial_restore,
+            fresh_start=args.fresh_start,
             observers=observers,
         )
     except KafkaUnavailable as error:
@@ -105,6 +106,8 @@ def _launch_local_ranks(args: argparse.Namespace) -> int:
         worker_args += ["--max-events", str(args.max_events)]
     if args.allow_partial_restore:
         worker_args.append("--allow-partial-restore")
+    if args.fresh_start:
+        worker_args.append("--fresh-start")
     if args.init_from:
         worker_args += ["--init-from", args.init_from]
     if args.start_at is not None:
@@ -396,6 +399,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="restore a snapshot written for another feature config: load only the tensors "
         "whose names and shapes still match",
+    )
+    worker.add_argument(
+        "--fresh-start",
+        action="store_true",
+        help="move checkpoint.path's snapshots aside into aside-<UTC time>/ there (never deleted) and start "
+        "at kafka.start_at (or checkpoint.init_from); without it, snapshots that all fail to load stop the "
+        "worker with exit code 7",
     )
     worker.add_argument(
         "--init-from",

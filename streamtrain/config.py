@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import time
 import types
 from collections.abc import Mapping
 from datetime import UTC, date, datetime, timedelta
@@ -400,11 +401,23 @@ class FeaturesConfig(_Strict):
         description="The event-time field: a long of epoch milliseconds, or timestamp-micros. Freshness and "
         "ttl eviction read it.",
     )
+    max_event_time_skew_seconds: float = Field(
+        default=3600.0,
+        gt=0,
+        description="How far past this host's wall time an event time is believed: a later one (a producer "
+        "writing microseconds, a wrong clock) is taken as wall time + this for ttl eviction and freshness, "
+        "and counted in streamtrain_event_times_clamped_total.",
+    )
     non_finite_dense: Literal["dead_letter", "clip"] = Field(
         default="dead_letter",
         description="A NaN or infinite dense value (after its transform, as float32): dead_letter rejects the "
         "event; clip trains it with NaN as 0 and +-inf as +-float32 max.",
     )
+
+    def event_time_bound_ms(self, now: float | None = None) -> int:
+        """The latest event time believed at wall time ``now`` (seconds; unset: now). A later one
+        is taken as this bound for ttl eviction and freshness (docs/durability.md)."""
+        return int(((time.time() if now is None else now) + self.max_event_time_skew_seconds) * 1000)
 
     @model_validator(mode="after")
     def _unique_names(self) -> FeaturesConfig:
@@ -904,7 +917,8 @@ class WorkerConfig(_Strict):
         """What gives a snapshot's tensors their meaning, for a snapshot's marker and a servable
         base: the features and model sections and the topic, without hosts, client properties or
         paths to secrets (a base leaves the cluster the worker ran in)."""
-        features = self.features.model_dump(mode="json", exclude={"schema_registry"})
+        # the skew bounds training, not what the tensors mean; left out, a base still loads in an older server
+        features = self.features.model_dump(mode="json", exclude={"schema_registry", "max_event_time_skew_seconds"})
         if self.features.schema_registry is not None:
             features["schema_registry"] = {"url": self.features.schema_registry.url}
         return {

@@ -459,7 +459,8 @@ class IdMapping:
         assert isinstance(step, torch.Tensor)
         self.step = int(step)
         for name, table in self.tables.items():
-            table.load_state_dict(state[name])  # type: ignore[arg-type]
+            if name in state:  # absent only in a partial restore's: a table added or resized starts empty
+                table.load_state_dict(state[name])  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -489,6 +490,7 @@ class IdSpace:
         metrics: IdSpaceMetrics | None = None,
     ):
         self.tables = managed_tables(features)
+        self.features = features
         self.world_size = world_size
         self.group = group
         self.metrics = metrics
@@ -510,7 +512,9 @@ class IdSpace:
         device = features.values().device
         per_key = dict(zip(features.keys(), features.values().cpu().split(features.length_per_key()), strict=True))
         own = {t.name: per_key[t.name] for t in self.tables}
-        newest = int(batch.event_time_ms.max()) if batch.size else 0
+        # one far-future event (microseconds in a millisecond field) would make every row stale: the
+        # worker counts the clamped events (streamtrain_event_times_clamped_total)
+        newest = min(int(batch.event_time_ms.max()), self.features.event_time_bound_ms()) if batch.size else 0
         everyone, now_ms, mine = self._gather(own, newest)
         steps = self.mapping.update(everyone, now_ms)
         mapped = _Mapped(steps, self.mapping.step)

@@ -264,7 +264,8 @@ class SnapshotSchedule:
             state.next_offsets[partition] = span.next_offset
             state.trained[partition] = state.trained.get(partition, 0) + span.events
         if batch.size:
-            state.event_time_high_water_ms = max(state.event_time_high_water_ms, int(batch.event_time_ms.max()))
+            newest = min(int(batch.event_time_ms.max()), self.config.features.event_time_bound_ms())
+            state.event_time_high_water_ms = max(state.event_time_high_water_ms, newest)
 
     def act(self, agreed: dict[str, bool]) -> None:
         """After a step: commit a finished snapshot, or start one, as every rank agreed. Raises

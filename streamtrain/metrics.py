@@ -411,6 +411,17 @@ class WorkerMetrics:
         self.checkpoint_failures = Counter(
             "streamtrain_checkpoint_failures", "Snapshots that failed to write.", registry=registry
         )
+        self.checkpoint_retention_failures = Counter(
+            "streamtrain_checkpoint_retention_failures",
+            "Old snapshots that retention could not remove (the commit before it stands).",
+            registry=registry,
+        )
+        self.event_times_clamped = Counter(
+            "streamtrain_event_times_clamped",
+            "Events whose event time lay beyond wall time + features.max_event_time_skew_seconds, "
+            "taken as that bound for ttl eviction and freshness.",
+            registry=registry,
+        )
         # Model delivery (streamtrain/delivery/publisher.py): rank 0 publishes; every rank cuts.
         self.deltas_published = Counter(
             "streamtrain_deltas_published", "Deltas delivered whole to the delta topic or directory.", registry=registry

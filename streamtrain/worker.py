@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -16,7 +17,13 @@ import numpy as np
 import torch.distributed as dist
 
 from streamtrain.batch import Prefetcher
-from streamtrain.checkpoint import EXIT_SNAPSHOTS_FAILING, Checkpointer, SnapshotsFailing
+from streamtrain.checkpoint import (
+    EXIT_RESTORE_REFUSED,
+    EXIT_SNAPSHOTS_FAILING,
+    Checkpointer,
+    RestoreRefused,
+    SnapshotsFailing,
+)
 from streamtrain.config import WorkerConfig
 from streamtrain.deadletter import Rejections
 from streamtrain.decode import AvroBatchDecoder
@@ -57,13 +64,17 @@ class _Progress:
         queue_depth: Callable[[], int],
         observers: Sequence[StepObserver],
         lag: Callable[[], int | None] = lambda: None,
+        event_time_bound: Callable[[float], float] = lambda _now: math.inf,
     ):
+        """``event_time_bound``: the latest event time (ms) believed at a wall time (s); later ones
+        are clamped to it for freshness, and counted."""
         self.metrics = metrics
         self.rank = rank
         self.topic = topic
         self.interval = interval
         self.queue_depth = queue_depth
         self.lag = lag
+        self.event_time_bound = event_time_bound
         self.step = 0
         self.trained = 0
         self.loss_sum = 0.0
@@ -104,7 +115,12 @@ class _Progress:
         metrics.batches.inc()
         if batch.size:
             applied = time.time()
-            freshness = applied - batch.event_time_ms.cpu().numpy() / 1000.0
+            times = batch.event_time_ms.cpu().numpy()
+            bound = self.event_time_bound(applied)
+            if clamped := int((times > bound).sum()):
+                metrics.event_times_clamped.inc(clamped)
+                times = np.minimum(times, bound)
+            freshness = applied - times / 1000.0
             metrics.freshness.observe_many(freshness)
             for observer in self.observers:
                 observer.step_trained(applied, freshness, result.seconds, result.data_wait_seconds, result.step)
@@ -177,15 +193,55 @@ def run_worker(
     until_end: bool = False,
     max_events: int | None = None,
     allow_partial_restore: bool = False,
+    fresh_start: bool = False,
     observers: Sequence[StepObserver] = (),
 ) -> int:
     """Train until the end offsets (``until_end``), ``max_events``, or SIGTERM/SIGINT; returns the exit code.
 
     Under torchrun every rank runs this; the ranks step in lockstep (see ``Lockstep``). Each of
-    ``observers`` sees every step that trained events, and is closed at the end.
+    ``observers`` sees every step that trained events, and is closed at the end. ``fresh_start``
+    moves checkpoint.path's snapshots aside first. What it opens it closes, in reverse, however it
+    ends: a failure at start-up too, within distributed.shutdown_grace_seconds.
     """
     if config.delivery.enabled:
         config.checkpoint_path_for_delivery()  # refused before anything starts
+    shutdown = _Shutdown(config.distributed.shutdown_grace_seconds)
+    outcome = _Outcome()
+    with contextlib.ExitStack() as resources:
+        resources.callback(shutdown.end)  # last: the watchdog bounds every close before it
+        try:
+            outcome.exit_code = _run(
+                config, resources, shutdown, outcome, until_end, max_events, allow_partial_restore, fresh_start,
+                observers,
+            )  # fmt: skip
+        except RestoreRefused as error:  # raised on every rank
+            log.error("%s", error)
+            outcome.exit_code = EXIT_RESTORE_REFUSED
+        finally:
+            shutdown.begin()  # a signal or the end of training began it already; else a failure
+    for observer in observers:
+        observer.close()
+    return outcome.exit_code
+
+
+class _Outcome:
+    """How the run ended, read by the closes registered before it was known."""
+
+    exit_code = 0
+    clean = False
+
+
+def _run(
+    config: WorkerConfig,
+    resources: contextlib.ExitStack,
+    shutdown: _Shutdown,
+    outcome: _Outcome,
+    until_end: bool,
+    max_events: int | None,
+    allow_partial_restore: bool,
+    fresh_start: bool,
+    observers: Sequence[StepObserver],
+) -> int:
     env = init_distributed(
         config.distributed.timeout_seconds, config.distributed.device, config.distributed.intra_op_threads
     )
@@ -193,6 +249,7 @@ def run_worker(
     metrics.info.info({"rank": str(env.rank), "world_size": str(env.world_size), "topic": config.kafka.topic})
     health = Health(config.metrics.stall_seconds)
     port = metrics.serve(config.metrics.host, config.metrics.port and config.metrics.port + env.local_rank, health)
+    resources.callback(metrics.close)
     log.info("rank %d/%d: metrics on http://%s:%d/metrics", env.rank, env.world_size, config.metrics.host, port)
 
     trainer = Trainer(config, env, metrics.idspace)
@@ -219,13 +276,15 @@ def run_worker(
             metrics,
             trainer.id_space,
         )
+        if fresh_start:
+            checkpointer.set_aside()
         restored = checkpointer.restore(allow_partial_restore)
         if restored is None and config.checkpoint.init_from:
             checkpointer.warm_start(
                 config.checkpoint.init_from, config.checkpoint.init_optimizer, allow_partial_restore
             )
         elif restored is None:
-            log.info("no snapshot under %s: starting from the earliest offsets", config.checkpoint.path)
+            log.info("no snapshot under %s: starting at kafka.start_at", config.checkpoint.path)
         elif config.checkpoint.init_from:
             log.info(
                 "checkpoint.path has snapshots of its own: checkpoint.init_from %s is ignored",
@@ -242,10 +301,12 @@ def run_worker(
         metadata_timeout=config.kafka.connect_timeout_seconds,
         on_error=lambda code: metrics.kafka_errors.labels(code).inc(),
     )
+    resources.callback(source.close)
     health.ready = True  # the state is restored and the broker answered the source's metadata request
     health.not_ready_reason = "the Kafka brokers are down"
     decoder = AvroBatchDecoder(config.features, schema_source(config.features), config.tasks())
     rejections = Rejections(config.dead_letter, config.kafka, metrics, env.rank)
+    resources.callback(rejections.close)
     # A rank blocked on a dead-letter write serves no consumer callbacks: its producer speaks for it.
     health.readiness = lambda: not (source.brokers_down or (rejections.writer and rejections.writer.brokers_down))
     prefetcher = Prefetcher(
@@ -261,6 +322,7 @@ def run_worker(
             snapshots.state, lambda: checkpointer.last_saved_step, checkpointer.pinned, metrics,
             id_space=trainer.id_space,
         )  # fmt: skip
+        resources.callback(lambda: publisher.close(outcome.clean, shutdown.remaining()))
         publisher.begin_chain(restored)
     start_snapshot = restored.step if restored else None
     if checkpointer and restored is None and (config.checkpoint.init_from or publisher):
@@ -281,7 +343,6 @@ def run_worker(
         heartbeat=health.beat,
         max_events=max_events,
     )
-    shutdown = _Shutdown(config.distributed.shutdown_grace_seconds)
     _stop_on_signals(prefetcher, snapshots.request, shutdown)
     progress = _Progress(
         metrics,
@@ -291,6 +352,7 @@ def run_worker(
         prefetcher.queue.qsize,
         observers,
         lag=lambda: prefetcher.lag.total,
+        event_time_bound=config.features.event_time_bound_ms,
     )
     exit_code = 0
     prefetcher.start()
@@ -322,19 +384,11 @@ def run_worker(
     finally:
         shutdown.begin()  # a signal began it already; else the end of the stream, max_events or a peer's stop
         prefetcher.join(timeout=shutdown.remaining())
-        clean = exit_code == 0 and sys.exc_info()[0] is None
-        try:
-            if publisher:
-                publisher.stop_deltas(clean, shutdown.remaining() / 3)
-            # The prefetch thread has stopped: the consumer is called directly.
-            snapshots.close(clean=clean, commit=source.commit)
-        finally:
-            if publisher:
-                publisher.close(clean, shutdown.remaining())
-            rejections.close()
-            source.close()
-            metrics.close()
-            shutdown.end()
+        outcome.clean = exit_code == 0 and sys.exc_info()[0] is None
+        if publisher:
+            publisher.stop_deltas(outcome.clean, shutdown.remaining() / 3)
+        # The prefetch thread has stopped: the consumer is called directly.
+        snapshots.close(clean=outcome.clean, commit=source.commit)
     log.info(
         "rank %d stopped after %d steps, %s; positions %s",
         env.rank,
@@ -342,8 +396,6 @@ def run_worker(
         progress.summary(),
         dict(sorted(snapshots.state.next_offsets.items())),
     )
-    for observer in observers:
-        observer.close()
     return exit_code
 
 

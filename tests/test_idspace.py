@@ -440,7 +440,7 @@ def test_the_snapshot_holds_the_map_of_the_trained_batches_and_restores_at_anoth
         assert live.unique().numel() == live.numel(), f"{name}: an id holds two rows after the restore"
 
 
-def test_a_snapshot_with_other_rows_is_refused_clearly(tmp_path):
+def test_a_snapshot_with_other_rows_is_refused_clearly_and_a_partial_restore_starts_that_map_empty(tmp_path):
     raw = managed_raw()
     raw["checkpoint"] = {"path": str(tmp_path / "snapshots")}
     config = parse_config(raw, environ={})
@@ -459,3 +459,7 @@ def test_a_snapshot_with_other_rows_is_refused_clearly(tmp_path):
     )
     with pytest.raises(CheckpointError, match=r"tables.user_id.rows: 200 in the snapshot, 250 here"):
         checkpointer.restore()
+    restored = checkpointer.restore(allow_partial=True)
+    assert restored is not None and restored.step == 2  # before: a KeyError after the weights had loaded
+    assert other.id_space.mapping.tables["user_id"].occupied == 0  # resized: its map starts empty
+    assert_same_state(other.id_space.state_dict()["adgroup_id"], trainer.id_space.state_dict()["adgroup_id"])

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -28,12 +27,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from fsspec.implementations.local import LocalFileSystem
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torchrec import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import streamtrain
+from streamtrain import durable
 from streamtrain.checkpoint import MARKER, SnapshotInfo, list_snapshots, verify_snapshot
 from streamtrain.config import FeaturesConfig, ModelConfig, TaskConfig, default_tasks
 from streamtrain.decode import ClickBatch
@@ -262,9 +263,8 @@ def export_snapshot(
     }
     (partial / MANIFEST).write_text(json.dumps(manifest, indent=2))
     final = out / name
-    if final.exists():  # a re-export of the same version replaces it, before the pointer names it
-        shutil.rmtree(final)
-    os.replace(partial, final)
+    # a re-export of the same version replaces it, before the pointer names it
+    durable.publish_folder(LocalFileSystem(), str(partial), str(final))
     _point_current(out, version, name)
     _retain(out, keep)
     log.info(
@@ -304,9 +304,7 @@ def _own_version() -> str:
 
 
 def _point_current(out: Path, version: int, name: str) -> None:
-    temporary = out / (CURRENT + ".tmp")
-    temporary.write_text(json.dumps({"version": version, "path": name}))
-    os.replace(temporary, out / CURRENT)
+    durable.publish_file(LocalFileSystem(), str(out / CURRENT), json.dumps({"version": version, "path": name}).encode())
 
 
 def _retain(out: Path, keep: int) -> None:

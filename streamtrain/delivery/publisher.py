@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torchrec.distributed.types import ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from streamtrain import durable
 from streamtrain.checkpoint import DeliveryPosition, StreamState
 from streamtrain.config import DeliveryConfig, KafkaConfig, WorkerConfig
 from streamtrain.delivery.artifact import MANIFEST
@@ -289,7 +290,8 @@ class DirectoryTarget:
             self.fs.makedirs(folder, exist_ok=True)
             for part, chunk in enumerate(chunks):
                 self.fs.pipe_file(f"{folder}/part-{part:05d}", chunk)
-            self.fs.pipe_file(f"{folder}/COMPLETE", b"")
+            durable.sync_folder(self.fs, folder)
+            durable.publish_file(self.fs, f"{folder}/COMPLETE", b"")
         except OSError as error:
             raise DeliveryFailed(f"delta {delta.id.sequence} to {self.directory}: {error}") from None
         if self.bases is not None and self.clock() - self.pruned_at >= PRUNE_SECONDS:
@@ -413,8 +415,7 @@ class BaseExports:
         again to the next start."""
         self.version = max(self.newest_version(), at_least) + 1
         self.fs.makedirs(self.root, exist_ok=True)
-        self.fs.pipe_file(f"{self.root}/{RESERVED}.tmp", str(self.version).encode())
-        self.fs.mv(f"{self.root}/{RESERVED}.tmp", f"{self.root}/{RESERVED}")
+        durable.publish_file(self.fs, f"{self.root}/{RESERVED}", str(self.version).encode())
         return self.version
 
     def start(self, step: int, new_chain: bool, version: int | None = None) -> None:
