@@ -129,7 +129,7 @@ def _flatten(snapshot: SnapshotInfo) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="streamtrain-export-") as scratch:
         flat = Path(scratch) / "snapshot.pt"
         dcp_to_torch_save(snapshot.path, flat)
-        return dict(torch.load(flat, map_location="cpu", weights_only=False))
+        return dict(torch.load(flat, map_location="cpu", weights_only=True))
 
 
 def unsharded_model(features: FeaturesConfig, model: ModelConfig, tasks: list[TaskConfig]) -> ClickModel:

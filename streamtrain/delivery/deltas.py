@@ -1,35 +1,11 @@
-"""The delta wire format: one Kafka message (or one file) per chunk of a delta.
+"""Delta chunks: ``encode`` a delta into chunks below a message size, ``decode_chunk`` one back,
+and ``Assembler`` collects chunks into whole deltas.
 
-A delta is one consistent cut of the model at step ``step``: the embedding rows touched since the
-previous delta, from every table and every shard, and all dense parameters. It is split into
-``parts`` chunks, each below the target's message size; a reader applies a delta only once it
-holds all of its parts.
-
-A chunk is ``MAGIC`` (4 bytes), the header's length (uint32, little-endian), the header (UTF-8
-JSON), then the body, little-endian:
-
-- ``kind: "rows"``: ``count`` int64 row ids, then ``count`` x ``width`` float32 values, row-major:
-  columns ``[column, column + width)`` of those rows of table ``section``. A column-wise shard sends
-  its own columns; a table-wise one, all of them.
-- ``kind: "dense"``: ``count`` float32 values, elements ``[offset, offset + count)`` of the
-  flattened dense parameter ``section`` (its ``shape`` in the header), named as in the model's
-  state dict.
-- ``kind: "ids"`` and ``kind: "evicted"``, for a managed table (``id_mapping: managed``) ``section``:
-  ``count`` int64 rows, then ``count`` int64 raw ids. ``ids``: at the delta's step raw id i is
-  looked up at row i (for the rows this delta carries that hold a live id). ``evicted``: raw id i
-  left row i since the previous delta. A reader applies evictions first, then ``ids``; with
-  ``full: true`` in an ``ids`` chunk's header the delta carries the table's whole map, which
-  replaces the reader's (the worker's eviction log did not reach back to the previous delta).
-  Readers that predate these kinds never meet them: only managed tables produce them.
-
-Header fields, in every chunk: ``model_id``, ``base_version`` (the version of the base this
-delta's chain started from: a delta applies only on a base of that chain), ``sequence`` (the
-delta's number in its chain, contiguous from the base's ``delta_sequence``), ``step``,
-``event_time_high_water_ms`` (the newest event time the delta's state has trained),
-``published_at_ms``, ``section`` (a table name, or a dense parameter's name), ``kind``,
-``part`` and ``parts`` (this chunk is part ``part`` of ``parts``, counted over the whole delta),
-and per kind: ``column``, ``width``, ``count`` (rows); ``shape``, ``offset``, ``count`` (dense);
-``count``, ``full`` (ids, evicted).
+docs/delivery-format.md is the format's reference (byte order, header fields, kinds, layouts,
+test vectors); ``streamtrain.delivery.spec`` holds its header models and names. In short: a chunk
+is ``STD1``, a uint32 little-endian header length, a UTF-8 JSON header, then a little-endian body
+(``rows``: int64 ids then float32 values; ``dense``: float32 elements of a flattened parameter;
+``ids``/``evicted``: int64 rows then int64 raw ids). ``part`` counts from 0 over the whole delta.
 """
 
 from __future__ import annotations

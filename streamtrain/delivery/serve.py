@@ -751,18 +751,24 @@ class ScoringServer:
         alive = all(thread.is_alive() for thread in self._threads)
         return web.json_response({"ok": alive}, status=200 if alive else 500)
 
-    async def _readyz(self, _request: web.Request) -> web.Response:
+    async def _readyz(self, request: web.Request) -> web.Response:
         """200 while the state served is current: the deltas present at start applied, no gap
-        waiting for a base, the delta source readable; else 503 and why."""
+        waiting for a base, the delta source readable; else 503 and why. With ``?allow_stale=1``
+        only the first matters: a load balancer's probe keeps scoring on while every replica
+        waits for the same base."""
         follower = self.follower
         behind = follower.behind if self.ready else "applying the deltas present at start"
+        if self.ready and request.query.get("allow_stale") == "1" and behind is not None:
+            behind, stale = None, behind
+        else:
+            stale = None
         body: dict[str, Any] = {
             "ready": behind is None,
             "base_version": follower.manifest.base_version,
             "next_delta_sequence": follower.next_sequence,
         }
-        if behind is not None:
-            body["reason"] = behind
+        if behind is not None or stale is not None:
+            body["reason"] = behind or stale
         return web.json_response(body, status=200 if behind is None else 503)
 
     async def _metrics(self, _request: web.Request) -> web.Response:
