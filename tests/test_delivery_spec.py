@@ -238,3 +238,23 @@ def test_mutated_delta_chunks_of_one_delta_must_agree_and_old_ones_are_forgotten
         (one, *_rest) = encode(Delta(DeltaId("m", 1, sequence, 9, 0, 0), dense=delta.dense), 8192)
         small.add(one)
     assert len(small) == 2
+
+
+def test_mutated_delta_folder_names_and_a_pruned_delta_do_not_stop_a_directory_reader(tmp_path):
+    from streamtrain.delivery.serve import DirectoryDeltas
+
+    delta = Delta(DeltaId("m", 1, 0, 1, 0, 0), dense=[DensePiece("w", (2,), 0, np.ones(2, np.float32))])
+    for name in ["delta-000001-000000000", "delta-000001-000000001", "delta-1-2.bak", "delta-x-y"]:
+        (tmp_path / name).mkdir()
+        for part, chunk in enumerate(encode(delta, 8192)):
+            (tmp_path / name / f"part-{part:05d}").write_bytes(chunk)
+        (tmp_path / name / "part-00000.tmp").write_bytes(b"stray")
+        (tmp_path / name / "COMPLETE").touch()
+    (tmp_path / "stray-file").write_bytes(b"")
+    source = DirectoryDeltas(tmp_path)
+    source.rewind(0)
+    assert source.poll(0.1) == encode(delta, 8192)  # the .tmp part is no part
+    for part in (tmp_path / "delta-000001-000000001").iterdir():  # pruned after it was listed
+        part.unlink()
+    (tmp_path / "delta-000001-000000001").rmdir()
+    assert source.poll(0.1) == [] and source.caught_up()

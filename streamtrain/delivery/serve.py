@@ -170,7 +170,10 @@ class DirectoryDeltas:
     def poll(self, timeout: float) -> list[bytes]:
         deadline = time.monotonic() + timeout
         while True:
-            for folder in self._complete():
+            complete = self._complete()
+            # one present at the rewind and pruned since is not waited for
+            self._present &= self._seen | {folder.name for folder in complete}
+            for folder in complete:
                 if folder.name in self._seen:
                     continue
                 self._seen.add(folder.name)
