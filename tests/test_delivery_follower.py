@@ -192,7 +192,7 @@ def test_mutated_delta_chunks_are_counted_and_skipped_and_the_server_ends_equal(
                 state = 3 if outcome.base_version == 2 else outcome.delta_sequence + 1
                 seen.append((outcome.base_version, outcome.delta_sequence, float(np.abs(got - want[state]).max())))
 
-        watcher = threading.Thread(target=watch)
+        watcher = threading.Thread(target=watch, daemon=True)  # a failed check must not leave it running
         watcher.start()
         started = time.monotonic()
         producer = Producer(producer_config)
@@ -343,7 +343,7 @@ def test_score_limit_deltas_keep_applying_while_large_requests_are_scored(kafka,
                 assert status == 200 and len(reply["results"]) == 10_000
                 latencies.append(time.monotonic() - started)
 
-        clients = [threading.Thread(target=load) for _ in range(3)]
+        clients = [threading.Thread(target=load, daemon=True) for _ in range(3)]
         for client in clients:
             client.start()
         wait_for(lambda: len(latencies) >= 3, 120, "scoring under way")
