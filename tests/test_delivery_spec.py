@@ -258,3 +258,41 @@ def test_mutated_delta_folder_names_and_a_pruned_delta_do_not_stop_a_directory_r
         part.unlink()
     (tmp_path / "delta-000001-000000001").rmdir()
     assert source.poll(0.1) == [] and source.caught_up()
+
+
+def test_score_limit_state_lock_lets_scores_read_together_and_a_delta_write_alone():
+    import threading
+
+    from streamtrain.delivery.serve import StateLock
+
+    lock, inside, broken = StateLock(), {"readers": 0, "writers": 0}, []
+    both_reading = threading.Barrier(2, timeout=10)
+
+    def read(wait: bool) -> None:
+        with lock.read():
+            inside["readers"] += 1
+            if wait:
+                both_reading.wait()  # two scores hold it at once
+            broken.extend(["read while written"] if inside["writers"] else [])
+            inside["readers"] -= 1
+
+    def write() -> None:
+        for _ in range(300):
+            with lock.write():
+                inside["writers"] += 1
+                broken.extend(["two writers"] if inside["writers"] > 1 else [])
+                broken.extend(["written while read"] if inside["readers"] else [])
+                inside["writers"] -= 1
+
+    pair = [threading.Thread(target=read, args=(True,)) for _ in range(2)]
+    for thread in pair:
+        thread.start()
+    for thread in pair:
+        thread.join(timeout=10)
+    threads = [threading.Thread(target=write) for _ in range(2)]
+    threads += [threading.Thread(target=lambda: [read(False) for _ in range(300)]) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not broken and not any(t.is_alive() for t in pair + threads)

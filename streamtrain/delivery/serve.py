@@ -267,6 +267,7 @@ class StateLock:
         self._changed = threading.Condition()
         self._readers = 0
         self._writers = 0  # waiting or writing
+        self._writing = False
 
     @contextmanager
     def read(self) -> Iterator[None]:
@@ -284,11 +285,13 @@ class StateLock:
     def write(self) -> Iterator[None]:
         with self._changed:
             self._writers += 1
-            self._changed.wait_for(lambda: self._readers == 0)
+            self._changed.wait_for(lambda: self._readers == 0 and not self._writing)
+            self._writing = True
         try:
             yield
         finally:
             with self._changed:
+                self._writing = False
                 self._writers -= 1
                 self._changed.notify_all()
 
