@@ -517,7 +517,7 @@ class Follower:
                     try:
                         self.load(path)
                         return
-                    except (OSError, FormatError, RuntimeError) as error:  # removed meanwhile, or not a base
+                    except Exception as error:  # removed meanwhile, or not a base: keep serving, look again
                         self._refuse("base", f"base {path} cannot be loaded: {error}")
         if time.monotonic() >= self._gap_deadline:
             chain, sequence = self._gap
@@ -694,7 +694,7 @@ class ScoringServer:
                 why = "no base"
             except DeltaSourceUnavailable:
                 raise
-            except (OSError, FormatError, RuntimeError) as error:
+            except Exception as error:  # removed meanwhile, or not a base: wait for the next
                 why = f"the newest base cannot be loaded ({error})"
             if time.monotonic() >= deadline:
                 raise TimeoutError(
