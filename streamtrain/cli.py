@@ -286,9 +286,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from confluent_kafka import KafkaException
-
-    from streamtrain.delivery.serve import ScoringServer
+    from streamtrain.delivery.serve import DeltaSourceUnavailable, ScoringServer, ServeLimits
 
     model, deltas = _serving_sources(args)
     if args.threads is not None:
@@ -298,15 +296,22 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    server = ScoringServer(model, deltas, args.host, args.port, args.base_wait_seconds, args.base_wait_seconds)
+    limits = ServeLimits(args.max_request_bytes, args.max_events, args.max_in_flight, args.token_file)
+    try:
+        server = ScoringServer(
+            model, deltas, args.host, args.port, args.base_wait_seconds, args.base_wait_seconds, limits=limits
+        )
+    except (OSError, ValueError) as error:  # the token file
+        print(f"streamtrain: --token-file: {error}", file=sys.stderr)
+        return 2
     try:
         server.start()
     except TimeoutError as error:  # no base to serve yet
         print(f"streamtrain: {error}", file=sys.stderr)
         return 1
-    except KafkaException as error:
+    except DeltaSourceUnavailable as error:
         # the same exit code as a worker whose brokers do not answer: an orchestrator retries both
-        print(f"streamtrain: the delta topic cannot be read: {error.args[0]}", file=sys.stderr)
+        print(f"streamtrain: the deltas cannot be read: {error}", file=sys.stderr)
         return 4
     print(f"serving {model} on http://{args.host}:{server.port} (POST /score, /readyz, /metrics)", flush=True)
     stop.wait()
@@ -583,6 +588,24 @@ def build_parser() -> argparse.ArgumentParser:
         type=_count,
         metavar="N",
         help="torch's threads for scoring (default: torch's own); on a shared host, the cores it may really use",
+    )
+    serve.add_argument(
+        "--max-request-bytes", type=_count, default=8 * 2**20, help="a larger /score body gets 413 (default 8 MiB)"
+    )
+    serve.add_argument(
+        "--max-events", type=_count, default=10_000, help="more events in one /score request get 413 (default 10000)"
+    )
+    serve.add_argument(
+        "--max-in-flight",
+        type=_count,
+        default=8,
+        help="/score requests handled at once; more get 503 with Retry-After (default 8)",
+    )
+    serve.add_argument(
+        "--token-file",
+        type=Path,
+        help="a file holding a bearer token /score requests must send (Authorization: Bearer ...); TLS is the "
+        "mesh's or ingress's job",
     )
     serve.set_defaults(run=_serve)
 

@@ -40,8 +40,8 @@ def post_scores(port: int, payloads: list[bytes]) -> np.ndarray:
 
 
 def scores_of(model: ServableModel, payloads: list[bytes]) -> np.ndarray:
-    features = model.manifest.features
-    tasks = [t.model_copy(update={"required": False}) for t in model.manifest.tasks]
+    features = model.features
+    tasks = [t.model_copy(update={"required": False}) for t in model.tasks]
     decoder = AvroBatchDecoder(features, schema_source(features), tasks)
     decoded = decoder.decode([RawEvent(0, i, p, -1) for i, p in enumerate(payloads)])
     assert not decoded.rejected

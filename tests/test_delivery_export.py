@@ -39,7 +39,7 @@ def trained(tmp_path_factory):
 
 def served_scores(base, size: int) -> np.ndarray:
     model = ServableModel(base)
-    decoder = AvroBatchDecoder(model.manifest.features, tasks=model.manifest.tasks)
+    decoder = AvroBatchDecoder(model.features, tasks=model.tasks)
     payloads, _ = held_out(size)
     return model.score(decoder.decode([RawEvent(0, i, p, 0) for i, p in enumerate(payloads)]).batch)
 
@@ -106,7 +106,7 @@ def test_the_cli_publishes_versions_keeps_k_and_follows_the_snapshots_chain(tmp_
 
 def test_a_delta_applied_to_a_loaded_base_changes_its_scores_in_place(tmp_path, trained):
     model = ServableModel(export_snapshot(trained, None, tmp_path / "serving"))
-    decoder = AvroBatchDecoder(model.manifest.features, tasks=model.manifest.tasks)
+    decoder = AvroBatchDecoder(model.features, tasks=model.tasks)
     payloads, _ = held_out(4)
     batch = decoder.decode([RawEvent(0, i, p, 0) for i, p in enumerate(payloads)]).batch
     before = model.score(batch)

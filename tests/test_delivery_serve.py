@@ -39,6 +39,10 @@ BATCHES = [2, 2, 2, 2]
 
 @pytest.fixture(scope="module")
 def states(tmp_path_factory):
+    return four_states(tmp_path_factory)
+
+
+def four_states(tmp_path_factory):
     """Four snapshots of one model, two steps apart, and the ranks' scores at each."""
     root = tmp_path_factory.mktemp("states")
     snapshots = train_states(root, 1, small_config(), BATCHES, [EVENTS])

@@ -58,7 +58,7 @@ def scores(model: ServableModel, payloads: list[bytes]) -> np.ndarray:
 
 
 def score_events(model: ServableModel, events: list[RawEvent]) -> np.ndarray:
-    decoder = AvroBatchDecoder(model.manifest.features, tasks=model.manifest.tasks)
+    decoder = AvroBatchDecoder(model.features, tasks=model.tasks)
     return model.score(decoder.decode(events).batch)
 
 
@@ -83,7 +83,7 @@ def test_a_shared_table_is_delivered_as_its_owners_rows_and_base_plus_deltas_sco
     assert "cate_id" in tables and "recent_cate_ids" not in tables
 
     served = ServableModel(start_base)
-    assert served.manifest.raw["step"] == 0
+    assert served.manifest.step == 0
     payloads, records = held_out(500)
     before = scores(served, payloads)
     for delta in deltas:
@@ -130,7 +130,7 @@ def test_managed_tables_are_served_with_the_trainers_id_map_through_base_and_del
     final = ServableModel(final_base)
     assert set(final.id_maps) == {"user_id", "adgroup_id"}
     deltas = [d for d in directory_deltas(tmp_path / "deltas") if d.id.base_version == final.manifest.chain]
-    assert len(deltas) >= 3 and deltas[-1].id.step == final.manifest.raw["step"] > 0
+    assert len(deltas) >= 3 and deltas[-1].id.step == final.manifest.step > 0
     evicted = {p.table for d in deltas[1:] for p in d.ids if p.evicted and len(p.rows)}
     assert evicted == {"user_id", "adgroup_id"}, "no eviction between deltas: the test proves nothing"
 
@@ -146,7 +146,7 @@ def test_managed_tables_are_served_with_the_trainers_id_map_through_base_and_del
     for events in (held, trained):
         got, want_scores = (score_events(m, events) for m in (served, final))
         assert np.abs(got - want_scores).max() <= 1e-6
-    decoder = AvroBatchDecoder(final.manifest.features, tasks=final.manifest.tasks)
+    decoder = AvroBatchDecoder(final.features, tasks=final.tasks)
     users = decoder.decode(trained).batch.sparse_features["user_id"].values()
     rows = final.id_maps["user_id"].rows(users)
     assert (rows != final.id_maps["user_id"].unknown_row).any()  # served ids read their own rows

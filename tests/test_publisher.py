@@ -208,13 +208,22 @@ def test_the_directory_target_writes_the_parts_then_the_marker(tmp_path):
     assert whole.rows[0].ids.tolist() == list(range(5)) and whole.dense[0].values.tolist() == [0, 1, 2, 3]
 
 
+def manifest(chain: int, sequence: int) -> str:
+    """A manifest with nothing but its position in the chain that matters."""
+    fields = dict.fromkeys(["model_id", "source_snapshot"], "m") | dict.fromkeys(["base_version", "step"], 1)
+    fields |= dict.fromkeys(["event_time_high_water_ms", "cut_wall_time_ms", "created_at"], 0)
+    fields |= {key: {} for key in ["next_offsets", "trained", "config", "reader_schema", "versions"]}
+    fields |= {"tables": [], "dense": [], "tasks": [], "world_size": 1, "parameters": {"tables": {}, "dense": {}}}
+    return json.dumps({"format": 1, "chain": chain, "delta_sequence": sequence, **fields})
+
+
 def test_the_directory_target_removes_the_deltas_no_kept_base_needs(tmp_path):
     """Bases kept: chain 3 from delta 5 on (its oldest), and one from delta 9; a base still being
     written does not count. Deltas of chain 2, and of chain 3 before 5, go; the rest stay."""
     bases = tmp_path / "serving"
     for name, chain, sequence in [("base-000004", 3, 5), ("base-000005", 3, 9), ("base-000006.partial", 3, 1)]:
         (bases / name).mkdir(parents=True)
-        (bases / name / "manifest.json").write_text(json.dumps({"chain": chain, "delta_sequence": sequence}))
+        (bases / name / "manifest.json").write_text(manifest(chain, sequence))
     clock = [0.0]
     target = DirectoryTarget(str(tmp_path / "deltas"), str(bases), clock=lambda: clock[0])
 

@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import pickle
 import shutil
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -39,29 +42,38 @@ from streamtrain.checkpoint import MARKER, SnapshotInfo, list_snapshots, verify_
 from streamtrain.config import FeaturesConfig, ModelConfig, TaskConfig, default_tasks
 from streamtrain.decode import ClickBatch
 from streamtrain.delivery.deltas import Delta, IdPiece
+from streamtrain.delivery.spec import (
+    CURRENT,
+    FORMAT_VERSION,
+    ID_MAPS,
+    MANIFEST,
+    PARTIAL,
+    PROGRAM,
+    FormatError,
+    IdMap,
+    Manifest,
+    Parameters,
+    base_name,
+    parse_base,
+    read_current,
+    read_manifest,
+)
 from streamtrain.model import ClickModel, embedding_configs
 from streamtrain.schema import load_schema
 
 log = logging.getLogger(__name__)
 
-CURRENT = "current.json"
-MANIFEST = "manifest.json"
-PROGRAM = "model.pt2"
 READER_SCHEMA = "reader.avsc"
 WRITER_SCHEMAS = "writer_schemas"
-MANIFEST_FORMAT = 1
-ID_MAPS = "id_maps.npz"
-_PARTIAL = ".partial"
 _TABLE_FIELDS = {"name", "field", "num_embeddings", "embedding_dim", "pooling", "id_mapping"}
+_FORCE_SAFE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
+_CUSTOM_OBJ = "custom_obj_"
+_OPAQUE_OBJ = "opaque_obj_"
 _EMBEDDINGS = "dlrm.sparse_arch.embedding_bag_collection.embedding_bags.{}.weight"
 
 
 class ExportError(RuntimeError):
     """A snapshot that cannot become a base; the message says why and what to do."""
-
-
-def base_name(version: int) -> str:
-    return f"base-{version:06d}"
 
 
 class ScoringModule(nn.Module):
@@ -108,26 +120,18 @@ def _find_snapshot(checkpoint_dir: str, step: int | None) -> SnapshotInfo:
 
 
 def _next_version(out_dir: Path) -> int:
-    versions = [int(p.name[5:]) for p in out_dir.glob("base-*") if p.name[5:].isdigit()]
+    versions = [parsed.version for p in out_dir.glob("base-*") if (parsed := parse_base(p.name)) and not parsed.partial]
     current = read_current(out_dir)
     if current is not None:
         versions.append(int(current["version"]))
     return max(versions, default=0) + 1
 
 
-def read_current(out_dir: Path) -> dict[str, Any] | None:
-    """``current.json``'s content ({"version", "path"}), or None when no base is published."""
-    try:
-        return dict(json.loads((out_dir / CURRENT).read_text()))
-    except FileNotFoundError:
-        return None
-
-
 def _flatten(snapshot: SnapshotInfo) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="streamtrain-export-") as scratch:
         flat = Path(scratch) / "snapshot.pt"
         dcp_to_torch_save(snapshot.path, flat)
-        return dict(torch.load(flat, map_location="cpu", weights_only=False))
+        return dict(torch.load(flat, map_location="cpu", weights_only=True))
 
 
 def unsharded_model(features: FeaturesConfig, model: ModelConfig, tasks: list[TaskConfig]) -> ClickModel:
@@ -203,7 +207,7 @@ def export_snapshot(
     chain = version if new_chain or "chain" not in delivery else int(delivery["chain"])
     sequence = int(delivery.get("next_sequence", 0))
     name = base_name(version)
-    partial = out / (name + _PARTIAL)
+    partial = out / (name + PARTIAL)
     if partial.exists():  # left by an export that crashed
         shutil.rmtree(partial)
     partial.mkdir()
@@ -222,46 +226,48 @@ def export_snapshot(
         shutil.copytree(features.resolved_writer_schemas_dir(), partial / WRITER_SCHEMAS)
         features_record["writer_schemas_dir"] = WRITER_SCHEMAS
     signature = program.graph_signature
-    manifest = {
-        "format": MANIFEST_FORMAT,
-        "model_id": model_id(record),
-        "base_version": version,
-        "chain": chain,
-        "delta_sequence": sequence,
-        "step": int(stream["step"]),
-        "next_offsets": stream["next_offsets"],
-        "trained": stream["trained"],
-        "event_time_high_water_ms": int(stream["event_time_high_water_ms"]),
-        # When the snapshot's cut was taken (its commit less the save): deltas after it were
-        # published later, so a server replaying a delta topic from this base seeks there.
-        "cut_wall_time_ms": int((float(marker["wall_time"]) - float(marker.get("save_seconds", 0))) * 1000),
-        "created_at": time.time(),
-        "source_snapshot": snapshot.path,
-        "world_size": marker.get("world_size"),
-        "config": {**record, "features": features_record},
-        "tables": [t.model_dump(mode="json", include=_TABLE_FIELDS) for t in features.tables],
-        "dense": [d.model_dump(mode="json") for d in features.dense],
-        "tasks": [t.name for t in tasks],
-        "reader_schema": reader,
-        "versions": {
-            **marker.get("versions", {}),
-            "streamtrain": getattr(streamtrain, "__version__", _own_version()),
-            "export_torch": torch.__version__,
-        },
-        # Managed tables: ID_MAPS holds each one's map (raw id -> row) at the snapshot's cut; ids
-        # not in it read the unknown row, as in training.
-        "id_maps": {
-            t.name: {"unknown_row": t.live_rows(), "file": ID_MAPS}
-            for t in features.tables
-            if t.id_mapping == "managed"
-        },
-        "parameters": {
-            # One per embedding table: a feature sharing another's table (shares_table_with) has none.
-            "tables": {t.name: _EMBEDDINGS.format(t.name) for t in features.owned_tables()},
-            "dense": {name: name for name in signature.parameters if not name.startswith("dlrm.sparse_arch.")},
-        },
-    }
-    (partial / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    manifest = Manifest.model_validate(
+        {
+            "format": FORMAT_VERSION,
+            "model_id": model_id(record),
+            "base_version": version,
+            "chain": chain,
+            "delta_sequence": sequence,
+            "step": int(stream["step"]),
+            "next_offsets": stream["next_offsets"],
+            "trained": stream["trained"],
+            "event_time_high_water_ms": int(stream["event_time_high_water_ms"]),
+            # When the snapshot's cut was taken (its commit less the save): deltas after it were
+            # published later, so a server replaying a delta topic from this base seeks there.
+            "cut_wall_time_ms": int((float(marker["wall_time"]) - float(marker.get("save_seconds", 0))) * 1000),
+            "created_at": time.time(),
+            "source_snapshot": snapshot.path,
+            "world_size": marker.get("world_size"),
+            "config": {**record, "features": features_record},
+            "tables": [t.model_dump(mode="json", include=_TABLE_FIELDS) for t in features.tables],
+            "dense": [d.model_dump(mode="json") for d in features.dense],
+            "tasks": [t.name for t in tasks],
+            "reader_schema": reader,
+            "versions": {
+                **marker.get("versions", {}),
+                "streamtrain": getattr(streamtrain, "__version__", _own_version()),
+                "export_torch": torch.__version__,
+            },
+            # Managed tables: ID_MAPS holds each one's map (raw id -> row) at the snapshot's cut; ids
+            # not in it read the unknown row, as in training.
+            "id_maps": {
+                t.name: IdMap(unknown_row=t.live_rows(), file=ID_MAPS)
+                for t in features.tables
+                if t.id_mapping == "managed"
+            },
+            "parameters": Parameters(
+                # One per embedding table: a feature sharing another's table (shares_table_with) has none.
+                tables={t.name: _EMBEDDINGS.format(t.name) for t in features.owned_tables()},
+                dense={name: name for name in signature.parameters if not name.startswith("dlrm.sparse_arch.")},
+            ),
+        }
+    )
+    (partial / MANIFEST).write_text(manifest.model_dump_json(indent=2))
     final = out / name
     # a re-export of the same version replaces it, before the pointer names it
     durable.publish_folder(LocalFileSystem(), str(partial), str(final))
@@ -270,7 +276,7 @@ def export_snapshot(
     log.info(
         "exported %s (step %d, chain %d, deltas from %d) to %s in %.1fs",
         snapshot.path,
-        manifest["step"],
+        manifest.step,
         chain,
         sequence,
         final,
@@ -309,42 +315,23 @@ def _point_current(out: Path, version: int, name: str) -> None:
 
 def _retain(out: Path, keep: int) -> None:
     current = read_current(out)
-    bases = sorted(p for p in out.glob("base-*") if p.is_dir() and p.name[5:].isdigit())
+    bases = sorted(p for p in out.glob("base-*") if p.is_dir() and (name := parse_base(p.name)) and not name.partial)
     kept = {p.name for p in bases[-keep:]} | ({current["path"]} if current else set())
     for base in bases:
         if base.name not in kept:
             shutil.rmtree(base, ignore_errors=True)
 
 
-@dataclass(frozen=True)
-class Manifest:
-    raw: dict[str, Any]
-    features: FeaturesConfig
-    tasks: list[TaskConfig]
-
-    @property
-    def base_version(self) -> int:
-        return int(self.raw["base_version"])
-
-    @property
-    def chain(self) -> int:
-        return int(self.raw["chain"])
-
-    @property
-    def delta_sequence(self) -> int:
-        return int(self.raw["delta_sequence"])
-
-
-def read_manifest(base_dir: Path) -> Manifest:
-    raw = json.loads((base_dir / MANIFEST).read_text())
-    record = raw["config"]
+def base_features(manifest: Manifest, base_dir: Path) -> tuple[FeaturesConfig, list[TaskConfig]]:
+    """The feature config and tasks a base's events are decoded with, its schemas resolved inside it."""
+    record = manifest.config
     features_record = dict(record["features"])
     # The schemas travel inside the base: resolve them there, wherever the server runs.
     features_record["schema_path"] = str(base_dir / features_record["schema_path"])
     if features_record.get("writer_schemas_dir") == WRITER_SCHEMAS:
         features_record["writer_schemas_dir"] = str(base_dir / WRITER_SCHEMAS)
     features, _model, tasks = servable_config({**record, "features": features_record})
-    return Manifest(raw, features, tasks)
+    return features, tasks
 
 
 def _twice(
@@ -398,22 +385,65 @@ class ServedIds:
         self.row_of, self.id_at = {}, {}
 
 
+class UnsafeBase(FormatError):
+    """A base whose program would run code from its folder when loaded."""
+
+    def __init__(self, message: str):
+        super().__init__("unsafe_base", message)
+
+
+_LOAD_LOCK = threading.Lock()
+
+
+def load_program(path: Path) -> torch.export.ExportedProgram:
+    """``torch.export.load`` without unpickling what a writer of the model folder controls.
+
+    torch 2.13's loader unpickles with ``weights_only=False`` the weights and constants that are
+    tensor subclasses, and legacy weight files; it unpickles custom and opaque objects with plain
+    pickle; and it falls back to ``weights_only=False`` for sample inputs it cannot load safely.
+    Our export writes none of these (plain tensors are raw bytes plus JSON metadata), so a program
+    that holds an object file is refused, and every ``torch.load`` the loader makes is forced to
+    ``weights_only=True`` (``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, set only around the load, under a
+    lock: the variable is the process's)."""
+    with zipfile.ZipFile(path) as archive:
+        for name in archive.namelist():
+            leaf = name.rsplit("/", 1)[-1]
+            if leaf.startswith((_CUSTOM_OBJ, _OPAQUE_OBJ)):
+                raise UnsafeBase(f"{path} holds {name}, a pickled object: refused (a base holds tensors only)")
+    with _LOAD_LOCK:
+        previous = os.environ.get(_FORCE_SAFE)
+        os.environ[_FORCE_SAFE] = "1"
+        try:
+            return torch.export.load(path)
+        except pickle.UnpicklingError as error:
+            raise UnsafeBase(f"{path} holds a pickle that is not plain tensors: refused ({error})") from None
+        finally:
+            if previous is None:
+                del os.environ[_FORCE_SAFE]
+            else:
+                os.environ[_FORCE_SAFE] = previous
+
+
 class ServableModel:
     """A base loaded for scoring in this process: no process group, no DMP."""
 
     def __init__(self, base_dir: str | Path):
         self.path = Path(base_dir)
         self.manifest = read_manifest(self.path)
-        self.program = torch.export.load(self.path / PROGRAM)
+        self.features, self.tasks = base_features(self.manifest, self.path)
+        self.program = load_program(self.path / PROGRAM)
         self.module = self.program.module()
         parameters = dict(self.module.named_parameters())
-        names = self.manifest.raw["parameters"]
-        self.tables = {table: parameters[name] for table, name in names["tables"].items()}
-        self.dense = {state_name: parameters[name] for state_name, name in names["dense"].items()}
+        names = self.manifest.parameters
+        missing = sorted({*names.tables.values(), *names.dense.values()} - set(parameters))
+        if missing:
+            raise FormatError("manifest", f"{self.path}: the manifest names {missing}, not in its program")
+        self.tables = {table: parameters[name] for table, name in names.tables.items()}
+        self.dense = {state_name: parameters[name] for state_name, name in names.dense.items()}
         self.id_maps: dict[str, ServedIds] = {}
-        for table, entry in self.manifest.raw.get("id_maps", {}).items():
-            with np.load(self.path / entry["file"]) as arrays:
-                self.id_maps[table] = ServedIds(arrays[f"{table}.rows"], arrays[f"{table}.ids"], entry["unknown_row"])
+        for table, entry in self.manifest.id_maps.items():
+            with np.load(self.path / entry.file, allow_pickle=False) as arrays:
+                self.id_maps[table] = ServedIds(arrays[f"{table}.rows"], arrays[f"{table}.ids"], entry.unknown_row)
 
     def score(self, batch: ClickBatch) -> np.ndarray:
         """Click probabilities [B, tasks], in the manifest's task order."""
@@ -446,21 +476,35 @@ class ServableModel:
             table = self.tables.get(row.table)
             if table is None:
                 raise DeltaMismatch(f"delta {delta.id.sequence} names table {row.table!r}, not in this base")
-            width = row.values.shape[1]
             rows, dim = table.shape
-            if row.column + width > dim or (len(row.ids) and (row.ids.min() < 0 or row.ids.max() >= rows)):
+            width = row.values.shape[1] if row.values.ndim == 2 else -1
+            if row.values.shape != (len(row.ids), width) or row.column < 0 or row.column + width > dim:
+                raise DeltaMismatch(
+                    f"delta {delta.id.sequence}: columns [{row.column}, {row.column + width}) of {row.table} "
+                    f"outside its {rows} x {dim} weight"
+                )
+            if len(row.ids) and (row.ids.min() < 0 or row.ids.max() >= rows):
                 raise DeltaMismatch(f"delta {delta.id.sequence}: rows of {row.table} outside its {rows} x {dim} weight")
         for mapped in delta.ids:
-            if mapped.table not in self.id_maps:
+            table = self.tables.get(mapped.table)
+            if mapped.table not in self.id_maps or table is None:
                 raise DeltaMismatch(f"delta {delta.id.sequence} maps ids of {mapped.table!r}, no managed table here")
+            if len(mapped.rows) != len(mapped.ids) or (
+                len(mapped.rows) and (mapped.rows.min() < 0 or mapped.rows.max() >= table.shape[0])
+            ):
+                raise DeltaMismatch(f"delta {delta.id.sequence}: id map rows of {mapped.table} outside its table")
         for piece in delta.dense:
             parameter = self.dense.get(piece.name)
             if parameter is None:
                 raise DeltaMismatch(f"delta {delta.id.sequence} names dense parameter {piece.name!r}, not in this base")
-            if tuple(parameter.shape) != tuple(piece.shape) or piece.offset + piece.values.size > parameter.numel():
+            if (
+                tuple(parameter.shape) != tuple(piece.shape)
+                or piece.offset < 0
+                or piece.offset + piece.values.size > parameter.numel()
+            ):
                 raise DeltaMismatch(
-                    f"delta {delta.id.sequence}: {piece.name} is {tuple(parameter.shape)} here, "
-                    f"{tuple(piece.shape)} in the delta"
+                    f"delta {delta.id.sequence}: elements [{piece.offset}, {piece.offset + piece.values.size}) of "
+                    f"{piece.name}, {tuple(piece.shape)} in the delta, {tuple(parameter.shape)} here"
                 )
         with torch.no_grad():
             for row in delta.rows:

@@ -1,35 +1,11 @@
-"""The delta wire format: one Kafka message (or one file) per chunk of a delta.
+"""Delta chunks: ``encode`` a delta into chunks below a message size, ``decode_chunk`` one back,
+and ``Assembler`` collects chunks into whole deltas.
 
-A delta is one consistent cut of the model at step ``step``: the embedding rows touched since the
-previous delta, from every table and every shard, and all dense parameters. It is split into
-``parts`` chunks, each below the target's message size; a reader applies a delta only once it
-holds all of its parts.
-
-A chunk is ``MAGIC`` (4 bytes), the header's length (uint32, little-endian), the header (UTF-8
-JSON), then the body, little-endian:
-
-- ``kind: "rows"``: ``count`` int64 row ids, then ``count`` x ``width`` float32 values, row-major:
-  columns ``[column, column + width)`` of those rows of table ``section``. A column-wise shard sends
-  its own columns; a table-wise one, all of them.
-- ``kind: "dense"``: ``count`` float32 values, elements ``[offset, offset + count)`` of the
-  flattened dense parameter ``section`` (its ``shape`` in the header), named as in the model's
-  state dict.
-- ``kind: "ids"`` and ``kind: "evicted"``, for a managed table (``id_mapping: managed``) ``section``:
-  ``count`` int64 rows, then ``count`` int64 raw ids. ``ids``: at the delta's step raw id i is
-  looked up at row i (for the rows this delta carries that hold a live id). ``evicted``: raw id i
-  left row i since the previous delta. A reader applies evictions first, then ``ids``; with
-  ``full: true`` in an ``ids`` chunk's header the delta carries the table's whole map, which
-  replaces the reader's (the worker's eviction log did not reach back to the previous delta).
-  Readers that predate these kinds never meet them: only managed tables produce them.
-
-Header fields, in every chunk: ``model_id``, ``base_version`` (the version of the base this
-delta's chain started from: a delta applies only on a base of that chain), ``sequence`` (the
-delta's number in its chain, contiguous from the base's ``delta_sequence``), ``step``,
-``event_time_high_water_ms`` (the newest event time the delta's state has trained),
-``published_at_ms``, ``section`` (a table name, or a dense parameter's name), ``kind``,
-``part`` and ``parts`` (this chunk is part ``part`` of ``parts``, counted over the whole delta),
-and per kind: ``column``, ``width``, ``count`` (rows); ``shape``, ``offset``, ``count`` (dense);
-``count``, ``full`` (ids, evicted).
+docs/delivery-format.md is the format's reference (byte order, header fields, kinds, layouts,
+test vectors); ``streamtrain.delivery.spec`` holds its header models and names. In short: a chunk
+is ``STD1``, a uint32 little-endian header length, a UTF-8 JSON header, then a little-endian body
+(``rows``: int64 ids then float32 values; ``dense``: float32 elements of a flattened parameter;
+``ids``/``evicted``: int64 rows then int64 raw ids). ``part`` counts from 0 over the whole delta.
 """
 
 from __future__ import annotations
@@ -37,18 +13,27 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import numpy as np
 
-MAGIC = b"STD1"
+from streamtrain.delivery.spec import (
+    FORMAT_VERSION,
+    MAGIC,
+    ChunkHeader,
+    DenseHeader,
+    FormatError,
+    RowsHeader,
+    parse_chunk_header,
+)
+
 _LENGTH = struct.Struct("<I")
 # Room left in each chunk for the header and the Kafka record's own framing.
 HEADER_ALLOWANCE = 4096
 
 
-class DeltaFormatError(ValueError):
-    """A chunk that is not in this format; the message says what is wrong with it."""
+class DeltaFormatError(FormatError):
+    """A chunk that is not in this format; ``reason`` labels it for metrics, the message says what
+    is wrong with it."""
 
 
 @dataclass(frozen=True)
@@ -137,72 +122,99 @@ def encode(delta: Delta, max_bytes: int) -> list[bytes]:
             bodies.append((meta, rows.tobytes() + raw.tobytes()))
     chunks = []
     for part, (meta, body) in enumerate(bodies):
-        header = json.dumps({**asdict(delta.id), **meta, "part": part, "parts": len(bodies)}).encode()
+        fields = {"format": FORMAT_VERSION, **asdict(delta.id), **meta, "part": part, "parts": len(bodies)}
+        header = json.dumps(fields).encode()
         chunks.append(MAGIC + _LENGTH.pack(len(header)) + header + body)
     return chunks
 
 
-def decode_chunk(data: bytes) -> tuple[dict[str, Any], RowPiece | DensePiece | IdPiece]:
-    """One chunk's header and its piece."""
-    if data[:4] != MAGIC:
-        raise DeltaFormatError(f"not a streamtrain delta chunk: it starts with {data[:4]!r}, not {MAGIC!r}")
+def decode_chunk(data: bytes) -> tuple[ChunkHeader, RowPiece | DensePiece | IdPiece]:
+    """One chunk's header and its piece; DeltaFormatError (with a ``reason``) says what is wrong.
+    Every field is checked here, so what a chunk claims about itself is consistent; whether it fits
+    the served base is ``ServableModel.apply``'s check."""
+    if len(data) < 8 or data[:4] != MAGIC:
+        what = f"it starts with {bytes(data[:4])!r}, not {MAGIC!r}" if data[:4] != MAGIC else "it ends after 8 bytes"
+        raise DeltaFormatError("truncated" if data[:4] == MAGIC else "magic", f"not a streamtrain delta chunk: {what}")
     (length,) = _LENGTH.unpack_from(data, 4)
+    if 8 + length > len(data):
+        raise DeltaFormatError("truncated", f"a header of {length} bytes in a chunk of {len(data)}")
     try:
-        header = json.loads(data[8 : 8 + length])
-    except ValueError as error:
-        raise DeltaFormatError(f"the chunk's header is not JSON: {error}") from None
+        header = parse_chunk_header(data[8 : 8 + length])
+    except FormatError as error:
+        raise DeltaFormatError(error.reason, str(error)) from None
     body = memoryview(data)[8 + length :]
-    count = int(header["count"])
-    if header["kind"] == "rows":
-        width = int(header["width"])
-        if len(body) != count * (8 + 4 * width):
-            raise DeltaFormatError(f"a rows chunk of {count} x {width} has {len(body)} body bytes")
+    count = header.count
+    if isinstance(header, RowsHeader):
+        if len(body) != count * (8 + 4 * header.width):
+            raise DeltaFormatError("body_size", f"a rows chunk of {count} x {header.width} has {len(body)} body bytes")
         ids = np.frombuffer(body, dtype="<i8", count=count)
-        values = np.frombuffer(body, dtype="<f4", offset=8 * count).reshape(count, width)
-        return header, RowPiece(header["section"], ids, int(header["column"]), values)
-    if header["kind"] == "dense":
+        values = np.frombuffer(body, dtype="<f4", offset=8 * count).reshape(count, header.width)
+        return header, RowPiece(header.section, ids, header.column, values)
+    if isinstance(header, DenseHeader):
         if len(body) != 4 * count:
-            raise DeltaFormatError(f"a dense chunk of {count} values has {len(body)} body bytes")
+            raise DeltaFormatError("body_size", f"a dense chunk of {count} values has {len(body)} body bytes")
         values = np.frombuffer(body, dtype="<f4", count=count)
-        return header, DensePiece(header["section"], tuple(header["shape"]), int(header["offset"]), values)
-    if header["kind"] in ("ids", "evicted"):
-        if len(body) != 16 * count:
-            raise DeltaFormatError(f"an {header['kind']} chunk of {count} rows has {len(body)} body bytes")
-        rows = np.frombuffer(body, dtype="<i8", count=count)
-        raw = np.frombuffer(body, dtype="<i8", offset=8 * count, count=count)
-        evicted = header["kind"] == "evicted"
-        return header, IdPiece(header["section"], rows, raw, evicted, bool(header.get("full", False)))
-    raise DeltaFormatError(f"unknown chunk kind {header['kind']!r}")
+        return header, DensePiece(header.section, tuple(header.shape), header.offset, values)
+    if len(body) != 16 * count:
+        raise DeltaFormatError("body_size", f"an {header.kind} chunk of {count} rows has {len(body)} body bytes")
+    rows = np.frombuffer(body, dtype="<i8", count=count)
+    raw = np.frombuffer(body, dtype="<i8", offset=8 * count, count=count)
+    return header, IdPiece(header.section, rows, raw, header.kind == "evicted", header.full)
+
+
+@dataclass
+class _Pending:
+    delta: Delta
+    parts: int
+    seen: set[int] = field(default_factory=set)
 
 
 class Assembler:
-    """Collects chunks, in any order and with repeats, into whole deltas."""
+    """Collects chunks, in any order and with repeats, into whole deltas.
 
-    def __init__(self) -> None:
-        self._pending: dict[tuple[str, int, int], tuple[Delta, set[int], int]] = {}
+    Every chunk of one delta (model id, chain, sequence) must agree on ``parts`` and the delta's
+    identity (step, high water, publication time); one that does not is refused, and its delta
+    never completes (a reader then waits for a base past it, as for a lost delta). At most
+    ``max_pending`` incomplete deltas are held: the one touched longest ago goes first."""
+
+    def __init__(self, max_pending: int = 64) -> None:
+        self.max_pending = max_pending
+        self._pending: dict[tuple[str, int, int], _Pending] = {}
 
     def add(self, data: bytes) -> Delta | None:
         """Takes one chunk; returns its delta once every part of it is here."""
         header, piece = decode_chunk(data)
-        key = (str(header["model_id"]), int(header["base_version"]), int(header["sequence"]))
-        if key not in self._pending:
-            fields = {name: header[name] for name in DeltaId.__dataclass_fields__}
-            self._pending[key] = (Delta(DeltaId(**fields)), set(), int(header["parts"]))
-        delta, seen, parts = self._pending[key]
-        part = int(header["part"])
-        if part not in seen:
-            seen.add(part)
+        key = (header.model_id, header.base_version, header.sequence)
+        identity = DeltaId(**{name: getattr(header, name) for name in DeltaId.__dataclass_fields__})
+        pending = self._pending.pop(key, None)
+        if pending is None:
+            pending = _Pending(Delta(identity), header.parts)
+        self._pending[key] = pending  # last touched goes last
+        if pending.parts != header.parts or pending.delta.id != identity:
+            raise DeltaFormatError(
+                "parts_disagree",
+                f"a chunk of delta {header.sequence} of chain {header.base_version} says {header.parts} parts at "
+                f"step {header.step}; its first chunk said {pending.parts} parts at step {pending.delta.id.step}",
+            )
+        if header.part not in pending.seen:
+            pending.seen.add(header.part)
             if isinstance(piece, RowPiece):
-                delta.rows.append(piece)
+                pending.delta.rows.append(piece)
             elif isinstance(piece, DensePiece):
-                delta.dense.append(piece)
+                pending.delta.dense.append(piece)
             else:
-                delta.ids.append(piece)
-        if len(seen) < parts:
-            return None
-        del self._pending[key]
-        return delta
+                pending.delta.ids.append(piece)
+        if len(pending.seen) == pending.parts:
+            del self._pending[key]
+            return pending.delta
+        while len(self._pending) > self.max_pending:
+            del self._pending[next(iter(self._pending))]
+        return None
 
     def forget_before(self, base_version: int, sequence: int) -> None:
-        """Drops incomplete deltas older than (``base_version``, ``sequence``), e.g. after a reload."""
+        """Drops incomplete deltas older than (``base_version``, ``sequence``): once that is applied
+        (or a base past them is loaded) they can never be."""
         self._pending = {k: v for k, v in self._pending.items() if (k[1], k[2]) >= (base_version, sequence)}
+
+    def __len__(self) -> int:
+        return len(self._pending)

@@ -26,11 +26,9 @@ snapshot at a graceful stop. A failed export is logged and counted, never fatal.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import queue
-import re
 import subprocess
 import sys
 import tempfile
@@ -50,8 +48,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from streamtrain import durable
 from streamtrain.checkpoint import DeliveryPosition, StreamState
 from streamtrain.config import DeliveryConfig, KafkaConfig, WorkerConfig
-from streamtrain.delivery.artifact import MANIFEST
 from streamtrain.delivery.deltas import Delta, DeltaId, DensePiece, IdPiece, RowPiece, encode
+from streamtrain.delivery.spec import MANIFEST, delta_name, parse_base, parse_delta, parse_manifest, part_name
 from streamtrain.lockstep import Question
 from streamtrain.source import KAFKA_LOG
 
@@ -66,8 +64,6 @@ RETRY_MAX_SECONDS = 30.0
 STOP_MARGIN_SECONDS = 5.0
 # A directory target has no message limit; chunks of this size keep each file's write short.
 DIRECTORY_CHUNK_BYTES = 8 * 2**20
-_BASE = re.compile(r"^base-(\d+)(\.partial)?$")
-_DELTA = re.compile(r"^delta-(\d+)-(\d+)$")
 # How often a directory target looks for deltas no kept base needs.
 PRUNE_SECONDS = 60.0
 # The base exporter (streamtrain/delivery/artifact.py), run as a process of its own.
@@ -285,11 +281,11 @@ class DirectoryTarget:
         chunks = encode(
             replace(delta, id=replace(delta.id, published_at_ms=int(time.time() * 1000))), DIRECTORY_CHUNK_BYTES
         )
-        folder = f"{self.root}/{delta_folder(delta.id)}"
+        folder = f"{self.root}/{delta_name(delta.id.base_version, delta.id.sequence)}"
         try:
             self.fs.makedirs(folder, exist_ok=True)
             for part, chunk in enumerate(chunks):
-                self.fs.pipe_file(f"{folder}/part-{part:05d}", chunk)
+                self.fs.pipe_file(f"{folder}/{part_name(part)}", chunk)
             durable.sync_folder(self.fs, folder)
             durable.publish_file(self.fs, f"{folder}/COMPLETE", b"")
         except OSError as error:
@@ -308,8 +304,8 @@ class DirectoryTarget:
             return 0
         removed = 0
         for entry in self.fs.ls(self.root, detail=False):
-            match = _DELTA.match(entry.rstrip("/").rsplit("/", 1)[-1])
-            if match and (int(match[1]), int(match[2])) < oldest:
+            position = parse_delta(entry.rstrip("/").rsplit("/", 1)[-1])
+            if position is not None and position < oldest:
                 try:
                     self.fs.rm(entry, recursive=True)
                     removed += 1
@@ -328,16 +324,13 @@ def oldest_base_position(bases: str) -> tuple[int, int] | None:
     positions = []
     if fs.exists(root):
         for entry in fs.ls(root, detail=False):
-            match = _BASE.match(entry.rstrip("/").rsplit("/", 1)[-1])
-            if match and not match[2]:
-                with contextlib.suppress(OSError, ValueError, KeyError):  # removed by retention meanwhile
-                    manifest = json.loads(fs.cat_file(f"{entry.rstrip('/')}/{MANIFEST}"))
-                    positions.append((int(manifest["chain"]), int(manifest["delta_sequence"])))
+            base = parse_base(entry.rstrip("/").rsplit("/", 1)[-1])
+            if base is not None and not base.partial:
+                path = f"{entry.rstrip('/')}/{MANIFEST}"
+                with contextlib.suppress(OSError, ValueError):  # removed by retention meanwhile
+                    manifest = parse_manifest(fs.cat_file(path), path)
+                    positions.append((manifest.chain, manifest.delta_sequence))
     return min(positions, default=None)
-
-
-def delta_folder(delta: DeltaId) -> str:
-    return f"delta-{delta.base_version:06d}-{delta.sequence:09d}"
 
 
 def id_pieces(id_space: IdSpace, touched: dict[str, np.ndarray], since_step: int) -> list[IdPiece]:
@@ -402,9 +395,9 @@ class BaseExports:
         newest = self.version
         if self.fs.exists(self.root):
             for entry in self.fs.ls(self.root, detail=False):
-                match = _BASE.match(entry.rstrip("/").rsplit("/", 1)[-1])
-                if match:
-                    newest = max(newest, int(match[1]))
+                base = parse_base(entry.rstrip("/").rsplit("/", 1)[-1])
+                if base is not None:
+                    newest = max(newest, base.version)
             with contextlib.suppress(OSError, ValueError):
                 newest = max(newest, int(self.fs.cat_file(f"{self.root}/{RESERVED}")))
         return newest
