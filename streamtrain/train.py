@@ -185,7 +185,7 @@ def plan_sharding(
     apply_optimizer_in_backward(
         _SPARSE_OPTIMIZERS[config.model.sparse_optimizer],
         model.dlrm.sparse_arch.parameters(),
-        {"lr": config.model.sparse_learning_rate},
+        {"lr": config.model.sparse_learning_rate * config.learning_rate_scales(world_size)[0]},
     )
     planner = EmbeddingShardingPlanner(
         topology=planner_topology or topology(config, world_size, compute_device, device=dense_device),
@@ -373,7 +373,7 @@ class Trainer:
         self.taken: deque[ClickBatch] = deque()
         dense_optimizer = DenseOptimizer(
             dict(in_backward_optimizer_filter(self.model.named_parameters())),
-            config.model.dense_learning_rate,
+            config.model.dense_learning_rate * config.learning_rate_scales(env.world_size)[1],
             # No batch in the pipeline: the zero-gradient step KeyedOptimizer.init_state takes to
             # create the state a restore fills, which must go ahead.
             lambda: not self.taken or self.taken[0].global_batch_size > 0,
