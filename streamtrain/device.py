@@ -59,8 +59,8 @@ def fbgemm_variant() -> str | None:
 
 
 def device_type(choice: str = "auto") -> str:
-    """"cuda" or "cpu": the kind of device ``select_device`` gives for ``choice`` on this host, or
-    would, were it not refused."""
+    """The kind of device, cuda or cpu, that ``select_device`` gives for ``choice`` on this host,
+    or would, were it not refused."""
     if choice == "auto":
         return "cuda" if fbgemm_variant() == "cuda" and torch.cuda.is_available() else "cpu"
     return choice
