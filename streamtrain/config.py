@@ -603,10 +603,34 @@ class ModelConfig(_Strict):
         return self
 
 
-class BatchingConfig(_Strict):
-    """How each rank's prefetch thread cuts the stream into batches."""
+# Events a step trains on each rank when batching.batch_size is unset, by the device the ranks train
+# on (docs/batching.md). On an H200 a step took 6.2-6.7 ms from 1,024 to 32,768 events: host and
+# launch work, not GPU work, so a bigger batch is nearly free there. 16,384 trains about 2.5M
+# events/s a rank (8,192: 1.3-1.5M; 32,768: 4.9-5.3M, more than one rank's data path decodes), at
+# half the updates per event of 32,768. The CPU's step grows with the batch, and 1,024 keeps it short.
+DEFAULT_BATCH_SIZE = {"cpu": 1024, "cuda": 16_384}
 
-    batch_size: int = Field(default=1024, gt=0, le=1_000_000, description="Events per batch, per rank.")
+
+# How the learning rates follow the batch (docs/batching.md, where the measurements are). The loss
+# is the batch's mean, so a larger batch takes fewer, averaged steps per event. Adam's step is about
+# its rate whatever the gradient's scale, so it covers the same ground only with a rate as many times
+# larger as it takes fewer steps. So does plain SGD's for a row one event looks up (its gradient is
+# the event's over the batch size). Adagrad's step for a row is normalised by that row's own
+# gradients, and a row that few events look up is stepped once per batch it is in, at any batch
+# size: its rate stays. Beyond 32 times the reference, Adam diverged.
+MAX_LEARNING_RATE_SCALE = 32.0
+
+
+class BatchingConfig(_Strict):
+    """How each rank's prefetch thread cuts the stream into batches, and how the learning rates
+    follow the batch."""
+
+    batch_size: int = Field(
+        default=DEFAULT_BATCH_SIZE["cpu"],
+        gt=0,
+        le=1_000_000,
+        description="Events a step trains per rank; unset (or null): 1,024 on CPU, 16,384 on cuda (docs/batching.md).",
+    )
     max_batch_wait_ms: int = Field(
         default=200,
         gt=0,
@@ -618,6 +642,21 @@ class BatchingConfig(_Strict):
         gt=0,
         le=1024,
         description="Decoded batches the prefetch thread may hold ready; it bounds the worker's memory.",
+    )
+    learning_rate_scaling: Literal["auto", "none"] = Field(
+        default="auto",
+        description=(
+            "How model.sparse_learning_rate and model.dense_learning_rate follow the global batch (batch_size x "
+            "ranks): auto multiplies the dense rate (Adam) and a sgd sparse rate by global batch / "
+            "reference_batch_size, at most 32, and leaves an Adagrad sparse rate as it is (docs/batching.md); "
+            "none uses both as given."
+        ),
+    )
+    reference_batch_size: int = Field(
+        default=1024,
+        gt=0,
+        le=1_000_000,
+        description="The global batch (events a step over all ranks) the learning rates are tuned for.",
     )
 
 
@@ -941,6 +980,16 @@ class WorkerConfig(_Strict):
             )
         return self.checkpoint.path
 
+    def learning_rate_scales(self, world_size: int) -> tuple[float, float]:
+        """What model.sparse_learning_rate and model.dense_learning_rate are multiplied by at
+        ``world_size`` ranks (batching.learning_rate_scaling; MAX_LEARNING_RATE_SCALE says why)."""
+        batching = self.batching
+        ratio = batching.batch_size * world_size / batching.reference_batch_size
+        if batching.learning_rate_scaling == "none" or ratio <= 1:
+            return 1.0, 1.0
+        scale = min(ratio, MAX_LEARNING_RATE_SCALE)
+        return (scale if self.model.sparse_optimizer == "sgd" else 1.0), scale
+
     def tasks(self) -> list[TaskConfig]:
         """The tasks trained, in head order: model.tasks, else the one on features.label."""
         return list(self.model.tasks) if self.model.tasks is not None else default_tasks(self.features)
@@ -1036,13 +1085,27 @@ def _format_errors(error: ValidationError) -> str:
 
 
 def parse_config(raw: dict[str, Any], environ: Mapping[str, str] | None = None) -> WorkerConfig:
-    merged = apply_env_overrides(raw, os.environ if environ is None else environ)
+    merged = _batch_sized_for_the_device(apply_env_overrides(raw, os.environ if environ is None else environ))
     try:
         config = WorkerConfig.model_validate(merged)
     except ValidationError as error:
         raise ConfigError(_format_errors(error)) from None
     _check_against_schema(config.features, config.model.tasks)
     return config
+
+
+def _batch_sized_for_the_device(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with batching.batch_size, where unset or null, at DEFAULT_BATCH_SIZE for the device
+    distributed.device resolves to on this host (all ranks of a job run on one kind of host)."""
+    batching, distributed = raw.get("batching") or {}, raw.get("distributed") or {}
+    if not isinstance(batching, dict) or batching.get("batch_size") is not None:
+        return raw
+    choice = distributed.get("device", "auto") if isinstance(distributed, dict) else "auto"
+    if choice not in get_args(DistributedConfig.model_fields["device"].annotation):
+        return raw  # the validation names the field
+    from streamtrain.device import device_type  # torch: only for the configs that need it
+
+    return {**raw, "batching": {**batching, "batch_size": DEFAULT_BATCH_SIZE[device_type(choice)]}}
 
 
 def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> WorkerConfig:

@@ -58,6 +58,14 @@ def fbgemm_variant() -> str | None:
     return None
 
 
+def device_type(choice: str = "auto") -> str:
+    """The kind of device, cuda or cpu, that ``select_device`` gives for ``choice`` on this host,
+    or would, were it not refused."""
+    if choice == "auto":
+        return "cuda" if fbgemm_variant() == "cuda" and torch.cuda.is_available() else "cpu"
+    return choice
+
+
 def select_device(choice: str = "auto", local_rank: int = 0) -> torch.device:
     """The device a rank trains on, for ``distributed.device`` (auto, cpu or cuda); a request this
     host cannot honour raises ConfigError naming the field and the fix. Changes nothing."""
@@ -158,6 +166,11 @@ def gloo_group(world_size: int, timeout_seconds: float) -> dist.ProcessGroup | N
 GATHER_SUM_MAX_BYTES = 256 << 10
 
 
+# torch 2.13's name for the gather into one tensor; 2.11 (GPU images lag) has only the older
+# all_gather_into_tensor, which 2.13 keeps as a deprecated alias of it.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def summed_over_ranks(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """``tensor`` summed element-wise over the ranks of ``group``, as an all-reduce would, by an
     all-gather and a local sum (see GATHER_SUM_MAX_BYTES)."""
@@ -179,7 +192,7 @@ def _gathering(
 ) -> torch.futures.Future[torch.Tensor]:
     world_size = dist.get_world_size(group)
     gathered = tensor.new_empty(world_size * tensor.numel())  # gloo takes the inputs concatenated
-    work = dist.all_gather_single(gathered, tensor.reshape(-1), group=group, async_op=True)
+    work = _all_gather_single(gathered, tensor.reshape(-1), group=group, async_op=True)
     return work.get_future().then(lambda _: then(gathered.view(world_size, *tensor.shape)))
 
 

@@ -369,6 +369,13 @@ def test_quality_benchmark_reports_each_tasks_progressive_holdout_and_bayes_auc_
             # a quick run judges nothing, but a model that learned nothing would sit at 0.5
             assert 0.55 < figures["holdout_auc"] <= figures["bayes_auc"] + 0.02 < 1.02
     assert saved["bayes_auc"]["buy"] > saved["bayes_auc"]["clk"] > 0.75
+    # the batch-size axis (quick: 256 and 1,024 events a step): each task's holdout AUC per size,
+    # and the largest gap to the first size's
+    runs = saved["batch_size_axis"]["runs"]
+    assert set(runs) == {"256", "1024"} and all(set(run["tasks"]) == {"clk", "buy"} for run in runs.values())
+    assert runs["1024"]["learning_rate_scales"] == {"sparse": 1.0, "dense": 1.0}  # at the reference
+    gap = max(runs["256"]["tasks"][t]["holdout_auc"] - runs["1024"]["tasks"][t]["holdout_auc"] for t in ("clk", "buy"))
+    assert saved["batch_size_gaps"] == {"1024": pytest.approx(gap)}
 
 
 def _naive_gradients_rank(rank: int, port: int, out: str) -> None:

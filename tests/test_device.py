@@ -3,6 +3,7 @@ process groups' timeouts, and the memory the sharding planner is told each rank 
 
 Nothing here has run on a GPU: the GPU side is simulated by patching torch.cuda."""
 
+import importlib.metadata
 import json
 import logging
 import subprocess
@@ -38,18 +39,34 @@ def gpu_visible(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
 
 
-def test_device_variant_of_the_installed_fbgemm_is_cpu():
-    assert fbgemm_variant() == "cpu"  # this checkout's .venv: fbgemm-gpu-cpu
+@pytest.fixture
+def cpu_fbgemm(monkeypatch):
+    """fbgemm_gpu is the CPU variant, whichever this host has installed (a GPU host has the CUDA one)."""
+    monkeypatch.setattr(device_module, "fbgemm_variant", lambda: "cpu")
 
 
-def test_device_auto_stays_on_cpu_with_the_cpu_fbgemm_even_when_a_gpu_is_visible(gpu_visible, caplog):
+def _installed_distribution(name: str) -> bool:
+    try:
+        importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def test_device_variant_of_the_installed_fbgemm_is_the_installed_distributions():
+    # this checkout's .venv: fbgemm-gpu-cpu; a GPU host's: fbgemm-gpu, the CUDA variant
+    expected = "cpu" if _installed_distribution("fbgemm-gpu-cpu") else "cuda"
+    assert fbgemm_variant() == expected
+
+
+def test_device_auto_stays_on_cpu_with_the_cpu_fbgemm_even_when_a_gpu_is_visible(cpu_fbgemm, gpu_visible, caplog):
     with caplog.at_level(logging.WARNING, logger="streamtrain.device"):
         assert select_device("auto") == torch.device("cpu")
     assert "make setup-cuda" in caplog.text
     assert select_device("cpu") == torch.device("cpu")
 
 
-def test_device_cuda_is_refused_with_the_cpu_fbgemm(gpu_visible):
+def test_device_cuda_is_refused_with_the_cpu_fbgemm(cpu_fbgemm, gpu_visible):
     with pytest.raises(ConfigError) as refused:
         select_device("cuda")
     message = str(refused.value)
@@ -73,7 +90,7 @@ def test_device_cuda_with_the_cuda_fbgemm_gives_each_local_rank_its_gpu(monkeypa
         select_device("auto", local_rank=2)
 
 
-def test_device_cuda_refused_by_the_worker_command_before_any_rank_starts(monkeypatch, gpu_visible, capsys):
+def test_device_cuda_refused_by_the_worker_command_before_any_rank_starts(monkeypatch, cpu_fbgemm, gpu_visible, capsys):
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setenv("STREAMTRAIN_DISTRIBUTED__DEVICE", "cuda")
     assert main(["worker", "--config", str(SMALL_CONFIG), "--nproc", "2"]) == 2

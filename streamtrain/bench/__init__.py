@@ -44,7 +44,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "pipeline": (
         "streamtrain.bench.pipeline",
-        "TrainPipelineSparseDist against TrainPipelineBase at 2 ranks, same in-memory batches",
+        "TrainPipelineSparseDist against TrainPipelineBase at 2 ranks (or --ranks 1), same in-memory batches",
     ),
     "checkpoint": ("streamtrain.bench.checkpoint", "training with an async snapshot every N seconds against none"),
     "memory": ("streamtrain.bench.memory", "the worker's RSS while a backlog far larger than it trains waits in Kafka"),

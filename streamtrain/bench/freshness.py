@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
+    from streamtrain.config import load_config
     from streamtrain.dev.kafka import KafkaBroker
     from streamtrain.dev.produce import produce
 
@@ -103,6 +104,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         "machine": machine(),
         "config": str(args.config),
         "ranks": WORLD_SIZE,
+        # the workers' batching.batch_size, environment overrides included
+        "batch_size": load_config(args.config).batching.batch_size,
         "max_events_per_second": maximum["events_per_second"],
         "max_leg": maximum,
         "seconds": seconds,
@@ -252,7 +255,8 @@ def _over_time(at: np.ndarray, fresh: np.ndarray, bucket: float = 1.0) -> list[l
 def table(result: dict) -> str:
     lines = [
         f"  max throughput measured first: {result['max_events_per_second']:,.0f} events/s "
-        f"(worker --until-end, {result['ranks']} ranks); then {result['seconds']:.0f}s of producing per load, "
+        f"(worker --until-end, {result['ranks']} ranks, batches of {result.get('batch_size', '-')}); then "
+        f"{result['seconds']:.0f}s of producing per load, "
         f"the first {result['warm_up_seconds']:.0f}s excluded",
         f"  {'load':>5} {'produced/s':>11} {'trained/s':>10} {'p50':>8} {'p99':>8} {'max':>8}   "
         f"cores used by ranks / broker / sender",

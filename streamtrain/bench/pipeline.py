@@ -1,6 +1,6 @@
-"""pipeline: TrainPipelineSparseDist (the worker's) against TrainPipelineBase, at 2 ranks.
+"""pipeline: TrainPipelineSparseDist (the worker's) against TrainPipelineBase, at --ranks ranks (2).
 
-Two trainers of the configured model on each of 2 gloo ranks, identical but for the pipeline,
+Two trainers of the configured model on each of the gloo ranks, identical but for the pipeline,
 train the same pre-built in-memory batches in alternating legs of --steps steps; the first round
 warms up and is not counted. TrainPipelineSparseDist starts batch i+1's input all-to-all before
 batch i's forward; TrainPipelineBase runs input distribution, forward and backward in turn.
@@ -13,10 +13,9 @@ from collections.abc import Callable
 
 from streamtrain.bench.common import machine, rate_text
 
-WORLD_SIZE = 2
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=int, default=2, choices=(1, 2), help="ranks (default 2)")
     parser.add_argument("--steps", type=int, default=150, help="steps per leg (default 150)")
     parser.add_argument("--rounds", type=int, default=3, help="counted rounds of both legs (default 3)")
 
@@ -25,11 +24,11 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     from streamtrain.bench.ranks import run_ranks
 
     steps, rounds = (10, 1) if args.quick else (args.steps, args.rounds)
-    progress(f"2 ranks, {rounds} counted round(s) of {steps} steps per pipeline, after one warm-up round")
+    progress(f"{args.ranks} rank(s), {rounds} counted round(s) of {steps} steps per pipeline, after one warm-up round")
     ranks = run_ranks(
         "streamtrain.bench.pipeline:rank_main",
         {"config": str(args.config), "steps": steps, "rounds": rounds},
-        WORLD_SIZE,
+        args.ranks,
     )
     legs = {}
     for name in ("base", "sparse_dist"):
@@ -50,7 +49,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         "benchmark": "pipeline",
         "machine": machine(),
         "config": str(args.config),
-        "ranks": WORLD_SIZE,
+        "ranks": args.ranks,
         "batch_size": ranks[0]["batch_size"],
         "steps_per_leg": steps,
         "rounds": rounds,

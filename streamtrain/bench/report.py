@@ -51,7 +51,7 @@ def plots(results: dict[str, dict], out: Path) -> list[Path]:
         legs = results["pipeline"]["legs"]
         bars.append(
             (
-                "pipeline, 2 ranks",
+                f"pipeline, {results['pipeline']['ranks']} rank(s)",
                 [("Base", legs["base"]["events_per_second"]), ("SparseDist", legs["sparse_dist"]["events_per_second"])],
             )
         )
