@@ -27,7 +27,6 @@ from streamtrain.delivery.publisher import (
     PRUNE_SECONDS,
     RETRY_MAX_SECONDS,
     BaseExports,
-    CutState,
     DeliveryFailed,
     DirectoryTarget,
     Publisher,
@@ -192,42 +191,6 @@ def test_a_data_parallel_tables_deltas_carry_the_rows_its_optimizer_moved_withou
                 replica[piece.table][torch.from_numpy(piece.ids)] = torch.from_numpy(piece.values)
     for table in replicated:
         torch.testing.assert_close(replica[table], weight(table).detach(), rtol=0, atol=0, msg=table)
-
-
-def _local(value: torch.Tensor) -> torch.Tensor:
-    """This rank's values of a state-dict tensor, a sharded table's shards flattened end to end."""
-    local = value.to_local() if hasattr(value, "to_local") else value
-    if hasattr(local, "local_shards"):
-        return torch.cat([shard.reshape(-1) for shard in local.local_shards()])
-    return local
-
-
-def test_a_cut_reads_the_latest_weights_from_the_state_it_kept(tmp_path, batches):
-    """The cut keeps the first state dict: its tensors are views of the weights the optimizers
-    step in place, so later cuts read every table and dense layer as a fresh state_dict() would."""
-    trainer = Trainer(config_for(tmp_path), init_distributed())
-    cut = CutState(trainer.model)
-    kept = cut.current()
-    before = {name: _local(value).clone() for name, value in kept.items() if isinstance(value, torch.Tensor)}
-    list(trainer.train(iter(batches[:3])))
-    assert cut.current() is kept
-    fresh = trainer.model.state_dict()
-    assert set(fresh) == set(kept)
-    moved = [name for name in before if not torch.equal(before[name], _local(kept[name]))]
-    assert any(".embedding_bags." in name for name in moved) and any(".embedding_bags." not in name for name in moved)
-    for name, value in fresh.items():
-        if isinstance(value, torch.Tensor):
-            torch.testing.assert_close(_local(kept[name]), _local(value), rtol=0, atol=0, msg=name)
-
-
-def test_every_cut_runs_what_state_dict_runs_first():
-    """TorchRec's sharded collections flush their kernels' caches in a state-dict pre-hook."""
-    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
-    flushed: list[str] = []
-    model[0].register_state_dict_pre_hook(lambda module, prefix, keep_vars: flushed.append(prefix))
-    cut = CutState(model)
-    assert cut.current() is cut.current()
-    assert flushed == ["0.", "0."]
 
 
 def test_the_directory_target_writes_the_parts_then_the_marker(tmp_path):

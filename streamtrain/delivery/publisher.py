@@ -165,31 +165,6 @@ def dense_pieces(state: dict[str, Any]) -> list[DensePiece]:
     ]
 
 
-class CutState:
-    """The model's state dict as a delta cut reads it: built at the first cut, reused by the rest.
-
-    ``state_dict()`` took 38-48 ms a cut on the reference model: DMP wraps every shard in a new
-    DTensor, and names and detaches every tensor, each time. Those tensors are views of the weights
-    the optimizers update in place (the fused kernels' storage, the dense parameters), and a
-    restore or a warm start copies into them, so one dict reads the latest weights at every cut.
-    What ``state_dict()`` runs first, its modules' pre-hooks, still runs at every cut: there
-    TorchRec's sharded collections flush their kernels (a ``fused_uvm_caching`` table holds
-    updated rows in its GPU cache until then)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.state: dict[str, Any] | None = None
-
-    def current(self) -> dict[str, Any]:
-        if self.state is None:
-            self.state = self.model.state_dict()
-            return self.state
-        for name, module in self.model.named_modules():
-            for hook in module._state_dict_pre_hooks.values():
-                hook(module, f"{name}." if name else "", False)
-        return self.state
-
-
 class DeliveryFailed(RuntimeError):
     """One attempt to deliver a delta failed; the publisher retries it."""
 
@@ -542,7 +517,7 @@ class Publisher:
         when it has managed tables; their maps travel with the deltas."""
         delivery = config.delivery
         self.config = delivery
-        self.cut_state = CutState(model)
+        self.model = model
         self.plan = plan
         self.rank = rank
         self.world_size = world_size
@@ -657,7 +632,7 @@ class Publisher:
             dist.all_gather_object(gathered, (ids, high_water), group=self.cut_group)
             ids = {table: np.unique(np.concatenate([theirs[table] for theirs, _ in gathered])) for table in ids}
             high_water = max(theirs for _, theirs in gathered)
-        state = self.cut_state.current()
+        state = self.model.state_dict()
         rows = local_rows(state, self.plan, self.rank, ids)
         dense = dense_pieces(state) if self.rank == 0 else []
         # Every rank holds the same map: rank 0 alone sends it.
