@@ -461,6 +461,21 @@ class BatchingConfig(_Strict):
     # A quiet stream still trains promptly: a batch holding at least one event is cut after this.
     max_batch_wait_ms: int = Field(default=200, gt=0, le=600_000)
     queue_size: int = Field(default=4, gt=0, le=1024)
+    decode_threads: int | None = Field(
+        default=None,
+        gt=0,
+        le=256,
+        description=(
+            "threads that decode each batch, the prefetch thread among them (docs/datapath.md); unset: 1 "
+            "when the rank trains on the CPU, whose other cores train; with CUDA, the cores per rank less "
+            "two (the training thread, librdkafka and the snapshot writer), at most 8"
+        ),
+    )
+
+    @field_validator("decode_threads", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value  # STREAMTRAIN_BATCHING__DECODE_THREADS= means unset
 
 
 class MetricsConfig(_Strict):

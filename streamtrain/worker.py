@@ -21,7 +21,7 @@ from streamtrain.config import WorkerConfig
 from streamtrain.deadletter import Rejections
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.publisher import Publisher
-from streamtrain.device import gloo_group, init_distributed
+from streamtrain.device import decode_threads, gloo_group, init_distributed
 from streamtrain.lockstep import Lockstep, SnapshotSchedule
 from streamtrain.metrics import Health, WorkerMetrics
 from streamtrain.registry import schema_source
@@ -244,7 +244,13 @@ def run_worker(
     )
     health.ready = True  # the state is restored and the broker answered the source's metadata request
     health.not_ready_reason = "the Kafka brokers are down"
-    decoder = AvroBatchDecoder(config.features, schema_source(config.features), config.tasks())
+    decoder = AvroBatchDecoder(
+        config.features,
+        schema_source(config.features),
+        config.tasks(),
+        threads=decode_threads(config.batching.decode_threads, env.device),
+    )
+    log.info("rank %d decoding on %d thread(s) (batching.decode_threads)", env.rank, decoder.slices.threads)
     rejections = Rejections(config.dead_letter, config.kafka, metrics, env.rank)
     # A rank blocked on a dead-letter write serves no consumer callbacks: its producer speaks for it.
     health.readiness = lambda: not (source.brokers_down or (rejections.writer and rejections.writer.brokers_down))
