@@ -468,7 +468,7 @@ class BatchingConfig(_Strict):
         description=(
             "threads that decode each batch, the prefetch thread among them (docs/datapath.md); unset: 1 "
             "when the rank trains on the CPU, whose other cores train; with CUDA, the cores per rank less "
-            "two (the training thread, librdkafka and the snapshot writer), at most 8"
+            "two (the training thread, librdkafka and the snapshot writer)"
         ),
     )
 

@@ -200,14 +200,10 @@ def intra_op_threads(configured: int | None) -> int:
     return max(1, len(os.sched_getaffinity(0)) // ranks_here - 1)
 
 
-# Past this many, a batch of a GPU's size cuts into slices too small to gain (docs/datapath.md).
-MAX_DECODE_THREADS = 8
-
-
 def decode_threads(configured: int | None, device: torch.device) -> int:
     """The threads that decode each of this rank's batches (batching.decode_threads): as configured;
-    else 1 for a rank that trains on the CPU, and for a CUDA rank its share of the cores less two,
-    from 1 to ``MAX_DECODE_THREADS``.
+    else 1 for a rank that trains on the CPU, and for a CUDA rank its share of the cores less two
+    (at least 1). More threads than a batch has slices of ``MIN_SLICE_EVENTS`` stay idle.
 
     On the CPU, ``intra_op_threads`` gives the trainer every core but one, and that one is the data
     path's: a second decode thread would take a core from a thread pool whose parallel regions wait
@@ -218,7 +214,7 @@ def decode_threads(configured: int | None, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    return max(1, min(MAX_DECODE_THREADS, len(os.sched_getaffinity(0)) // ranks_here - 2))
+    return max(1, len(os.sched_getaffinity(0)) // ranks_here - 2)
 
 
 def init_distributed(timeout_seconds: float = 60.0, device: str = "auto", threads: int | None = None) -> DistEnv:

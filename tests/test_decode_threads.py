@@ -18,7 +18,7 @@ from streamtrain.deadletter import HEADER_OFFSET, HEADER_PARTITION, HEADER_REASO
 from streamtrain.decode import MIN_SLICE_EVENTS, AvroBatchDecoder
 from streamtrain.dev.kafka import create_topic
 from streamtrain.dev.produce import ClickStream
-from streamtrain.device import MAX_DECODE_THREADS, decode_threads
+from streamtrain.device import decode_threads
 from streamtrain.source import EventBatch, RawEvent
 from test_deadletter import BAD_PAYLOADS, DLQ_CONFIG, Sent, dlq_env, read_all, send, valid_messages
 from test_decoder_fuzz import decoders, fuzz_payloads
@@ -85,7 +85,7 @@ def test_decode_threads_default_to_one_on_the_cpu_and_the_spare_cores_with_cuda(
     monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(16)))
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     assert decode_threads(None, cpu) == 1
-    assert decode_threads(None, cuda) == MAX_DECODE_THREADS  # 16 cores: 14 spare, capped
+    assert decode_threads(None, cuda) == 14  # 16 cores, less the trainer and librdkafka's
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert decode_threads(None, cuda) == 2  # 4 cores per rank, less the trainer and librdkafka's
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")
