@@ -254,12 +254,16 @@ class AvroBatchDecoder:
                     details.update(dict.fromkeys(np.flatnonzero(mine).tolist(), self.failures[schema_id]))
         else:
             self._assign(self._entry(None), status == ap.OK, entry, status)
-        lengths = np.zeros((tables, n), dtype=np.int32)
-        dense = np.zeros((n, dense_count), dtype=np.float32)
-        labels = np.zeros((n, len(self.tasks)), dtype=np.float32)
-        times = np.zeros(n, dtype=np.int64)
+        # Left unset here: the program sets a decoded event's columns, the fastavro path its own,
+        # and a rejected event's are never read. Only the lengths, which the program counts up,
+        # are zeroed, by each slice's thread: on one thread that was a tenth of a batch's time.
+        lengths = np.empty((tables, n), dtype=np.int32)
+        dense = np.empty((n, dense_count), dtype=np.float32)
+        labels = np.empty((n, len(self.tasks)), dtype=np.float32)
+        times = np.empty(n, dtype=np.int64)
 
         def run(part: slice) -> _Rows:
+            lengths[:, part] = 0
             rows = ap.run_batch(
                 buf,
                 starts[part],
