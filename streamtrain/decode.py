@@ -10,6 +10,19 @@ and a status per event out; no Python object per event. A writer schema the prog
 not support is decoded by ``FastavroDecoder`` (fastavro plus a Python loop; also the benchmark's
 baseline), with a log line. Both paths give the same columns, and the same reasons, for the same bytes.
 
+``threads`` (batching.decode_threads; docs/datapath.md) decodes a batch on several threads: it is
+cut into slices of consecutive events, each slice's program runs on its own thread without the GIL
+and writes into the batch's columns, and each slice then scatters its rows into its own place in
+the KJT's values. Why slices of one batch, not whole batches decoded side by side: a batch keeps
+its place, its spans and the moment its rejections are dead-lettered, with nothing to reorder, and
+a large batch's delay shrinks with the threads instead of growing with batches in flight. Why a
+small pool of our own threads, not numba's ``parallel=True``/``prange``: the interpreter already
+releases the GIL, and ``prange`` would bring a threading layer (OpenMP or TBB) with a pool of its
+own beside torch's and librdkafka's, sized apart from the config, unnamed for ``top -H`` and
+``bench e2e``'s CPU split, and not under SCHED_BATCH. On one thread the stage's work outside the
+slices (framing, the columns' set-up, the spans, the KJT) is about 8% of its CPU: the bound on what
+a second thread gains is about 1.85x.
+
 Ids reach their tables by a documented, stable mapping (``map_ids``), identical in both paths:
   - integers, ``modulo``: ``id mod num_embeddings`` with floor semantics, so -1 -> n-1;
   - integers, ``hash``: ``splitmix64(id as two's-complement uint64) mod num_embeddings``;
