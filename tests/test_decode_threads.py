@@ -52,14 +52,15 @@ def events_of(payloads: list[bytes]) -> EventBatch:
 def test_several_threads_decode_varied_and_malformed_batches_exactly_as_one(tmp_path):
     """The fuzz's mutated payloads (every rejection reason, a writer schema fastavro decodes, unknown
     ids), cut into batches of sizes that split unevenly, or not at all, over the threads."""
-    click_payloads, rich_payloads = fuzz_payloads(16_000, seed=37)
     sizes = [3 * MIN_SLICE_EVENTS + 7, 5_000, MIN_SLICE_EVENTS - 1, 2 * MIN_SLICE_EVENTS, 1]
+    click_payloads, rich_payloads = fuzz_payloads(2 * sum(sizes), seed=37)
     for (one, _oracle), payloads in zip(decoders(tmp_path), (click_payloads, rich_payloads), strict=True):
         several = AvroBatchDecoder(one.features, one.fallback.schema_source, threads=3)
         seen = Counter()
         first = 0
         for size in sizes:
             events = events_of(payloads[first : first + size])
+            assert len(events) == size
             first += size
             assert len(several.slices.cut(len(events))) == min(3, max(1, len(events) // MIN_SLICE_EVENTS))
             expected = one.decode(events)
