@@ -802,26 +802,30 @@ def run_programs(
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def gather_rows(rows: I64, row_table: I32, first: I64, stop: I64, status: I8, lengths: I32) -> I64:
-    """Event-major rows of the kept events (status 0) -> key-major, as a KJT's values."""
+def kept_rows(lengths: I32, status: I8) -> I64:
+    """Per table, the rows of the kept events (status 0): its length in a KJT's values."""
     n_tables, n = lengths.shape
-    offsets = np.zeros(n_tables + 1, np.int64)
+    counts = np.zeros(n_tables, np.int64)
     for t in range(n_tables):
         total = 0
         for e in range(n):
             if status[e] == OK:
                 total += lengths[t, e]
-        offsets[t + 1] = offsets[t] + total
-    out = np.empty(offsets[n_tables], np.int64)
-    cursor = offsets[:n_tables].copy()
-    for e in range(n):
+        counts[t] = total
+    return counts
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def scatter_rows(rows: I64, row_table: I32, first: I64, stop: I64, status: I8, out: I64, cursor: I64) -> None:
+    """Event-major rows of the kept events -> key-major in ``out``, table t's from ``cursor[t]`` on
+    (which moves past them)."""
+    for e in range(first.shape[0]):
         if status[e] != OK:
             continue
         for i in range(first[e], stop[e]):
             t = row_table[i]
             out[cursor[t]] = rows[i]
             cursor[t] += 1
-    return out
 
 
 @njit(cache=True, nogil=True, boundscheck=False)

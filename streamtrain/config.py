@@ -658,6 +658,21 @@ class BatchingConfig(_Strict):
         le=1_000_000,
         description="The global batch (events a step over all ranks) the learning rates are tuned for.",
     )
+    decode_threads: int | None = Field(
+        default=None,
+        gt=0,
+        le=256,
+        description=(
+            "Threads that decode each batch, the prefetch thread among them (docs/datapath.md); unset: 1 "
+            "when the rank trains on the CPU, whose other cores train; with CUDA, the cores per rank less "
+            "two (the training thread, librdkafka and the snapshot writer)."
+        ),
+    )
+
+    @field_validator("decode_threads", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value  # STREAMTRAIN_BATCHING__DECODE_THREADS= means unset
 
 
 class MetricsConfig(_Strict):

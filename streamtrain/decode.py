@@ -10,6 +10,19 @@ and a status per event out; no Python object per event. A writer schema the prog
 not support is decoded by ``FastavroDecoder`` (fastavro plus a Python loop; also the benchmark's
 baseline), with a log line. Both paths give the same columns, and the same reasons, for the same bytes.
 
+``threads`` (batching.decode_threads; docs/datapath.md) decodes a batch on several threads: it is
+cut into slices of consecutive events, each slice's program runs on its own thread without the GIL
+and writes into the batch's columns, and each slice then scatters its rows into its own place in
+the KJT's values. Why slices of one batch, not whole batches decoded side by side: a batch keeps
+its place, its spans and the moment its rejections are dead-lettered, with nothing to reorder, and
+a large batch's delay shrinks with the threads instead of growing with batches in flight. Why a
+small pool of our own threads, not numba's ``parallel=True``/``prange``: the interpreter already
+releases the GIL, and ``prange`` would bring a threading layer (OpenMP or TBB) with a pool of its
+own beside torch's and librdkafka's, sized apart from the config, unnamed for ``top -H`` and
+``bench e2e``'s CPU split, and not under SCHED_BATCH. On one thread the stage's work outside the
+slices (framing, the columns' set-up, the spans, the KJT) is about 8% of its CPU: the bound on what
+a second thread gains is about 1.85x.
+
 Ids reach their tables by a documented, stable mapping (``map_ids``), identical in both paths:
   - integers, ``modulo``: ``id mod num_embeddings`` with floor semantics, so -1 -> n-1;
   - integers, ``hash``: ``splitmix64(id as two's-complement uint64) mod num_embeddings``;
@@ -40,9 +53,11 @@ why, or fastavro's error), and the dead letter carries it.
 from __future__ import annotations
 
 import io
+import itertools
 import logging
 import math
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -58,6 +73,7 @@ from streamtrain.config import FeaturesConfig, TableConfig, TaskConfig, default_
 from streamtrain.registry import BadWriterSchema
 from streamtrain.schema import field_schema, load_schema, without_logical_types
 from streamtrain.source import EventBatch, RawEvent, partitions_in
+from streamtrain.threads import DECODE, name_this_thread, yield_wakeups_to_the_trainer
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +184,15 @@ class AvroBatchDecoder:
     schema. One program is built per writer schema id, on first sight, and kept.
     """
 
-    def __init__(self, features: FeaturesConfig, schema_source: Any = None, tasks: list[TaskConfig] | None = None):
+    def __init__(
+        self,
+        features: FeaturesConfig,
+        schema_source: Any = None,
+        tasks: list[TaskConfig] | None = None,
+        threads: int = 1,
+    ):
         self.features = features
+        self.slices = _Slices(threads)
         self.tasks = tasks or default_tasks(features)
         self.required = np.array([t.required for t in self.tasks], dtype=np.bool_)
         self.confluent = features.wire_format == "confluent"
@@ -244,25 +267,56 @@ class AvroBatchDecoder:
                     details.update(dict.fromkeys(np.flatnonzero(mine).tolist(), self.failures[schema_id]))
         else:
             self._assign(self._entry(None), status == ap.OK, entry, status)
-        lengths = np.zeros((tables, n), dtype=np.int32)
-        dense = np.zeros((n, dense_count), dtype=np.float32)
-        labels = np.zeros((n, len(self.tasks)), dtype=np.float32)
-        times = np.zeros(n, dtype=np.int64)
-        rows, row_table, first, stop = ap.run_batch(
-            buf, starts, ends, entry, self.code, self.clip, status, lengths, dense, labels, self.required, times
-        )
+        # Left unset here: the program sets a decoded event's columns, the fastavro path its own,
+        # and a rejected event's are never read. Only the lengths, which the program counts up,
+        # are zeroed, by each slice's thread: on one thread that was a tenth of a batch's time.
+        lengths = np.empty((tables, n), dtype=np.int32)
+        dense = np.empty((n, dense_count), dtype=np.float32)
+        labels = np.empty((n, len(self.tasks)), dtype=np.float32)
+        times = np.empty(n, dtype=np.int64)
+
+        def run(part: slice) -> _Rows:
+            lengths[:, part] = 0
+            rows = ap.run_batch(
+                buf,
+                starts[part],
+                ends[part],
+                entry[part],
+                self.code,
+                self.clip,
+                status[part],
+                lengths[:, part],
+                dense[part],
+                labels[part],
+                self.required,
+                times[part],
+            )
+            return _Rows(part, *rows, ap.kept_rows(lengths[:, part], status[part]))
+
+        decoded = self.slices.map(run, self.slices.cut(n))
         slow = np.flatnonzero(status == ap.NOT_MINE)
         if slow.size:
-            rows, row_table, first, stop = self._decode_slowly(
+            rows = self._decode_slowly(
                 slow,
                 events.payloads,
                 schema_ids,
                 (status, lengths, dense, labels, times),
-                (rows, row_table, first, stop),
+                _Rows.joined(decoded),
                 details,
             )
-        values = ap.gather_rows(rows, row_table, first, stop, status, lengths)
-        return _result(events, self.keys, status, lengths, dense, labels, times, values, details)
+            decoded = [_Rows(slice(0, n), *rows, ap.kept_rows(lengths, status))]
+        # Each slice's rows of table t follow the earlier slices' in the KJT's values.
+        counts = np.array([part.counts for part in decoded], np.int64).reshape(len(decoded), tables)
+        per_key = counts.sum(axis=0)
+        cursors = np.cumsum(counts, axis=0) - counts + (np.cumsum(per_key) - per_key)
+        values = np.empty(int(per_key.sum()), np.int64)
+        self.slices.map(
+            lambda part: ap.scatter_rows(
+                part.rows, part.row_table, part.first, part.stop, status[part.events], values, part.cursor
+            ),
+            [replace(part, cursor=cursor) for part, cursor in zip(decoded, cursors, strict=True)],
+        )
+        return _result(events, self.keys, status, lengths, dense, labels, times, values, details, per_key.tolist())
 
     @staticmethod
     def _assign(program: int, events: np.ndarray, entry: np.ndarray, status: np.ndarray) -> None:
@@ -279,7 +333,7 @@ class AvroBatchDecoder:
         columns: tuple[np.ndarray, ...],
         event_rows: tuple[np.ndarray, ...],
         details: dict[int, str],
-    ) -> tuple[np.ndarray, ...]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """fastavro for the events whose schema has no program; their rows join the others'."""
         status, lengths, dense, labels, times = columns
         bodies = [payloads[i][5:] if self.confluent else payloads[i] for i in slow.tolist()]
@@ -304,6 +358,69 @@ class AvroBatchDecoder:
         stop[slow] = first[slow] + per_event
         values = np.concatenate(part.values) if part.values else np.zeros(0, np.int64)
         return (np.concatenate((rows, values[order])), np.concatenate((row_table, tags[order])), first, stop)
+
+
+# Below this many events a slice costs more in handing over than its thread gains.
+MIN_SLICE_EVENTS = 1024
+
+
+class _Slices:
+    """Cuts a batch into slices, at most one per thread, and runs a step over them on ``threads``
+    threads, the calling thread's among them."""
+
+    def __init__(self, threads: int):
+        if threads < 1:
+            raise ValueError(f"decode threads must be at least 1, not {threads}")
+        self.threads = threads
+        self.pool = (
+            ThreadPoolExecutor(threads - 1, thread_name_prefix="streamtrain-decode", initializer=_as_decode_thread)
+            if threads > 1
+            else None
+        )
+
+    def cut(self, n: int) -> list[slice]:
+        count = max(1, min(self.threads, n // MIN_SLICE_EVENTS))
+        return [slice(n * i // count, n * (i + 1) // count) for i in range(count)]
+
+    def map(self, step: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        if self.pool is None or len(items) == 1:
+            return [step(item) for item in items]
+        futures = [self.pool.submit(step, item) for item in items[1:]]
+        try:
+            mine = step(items[0])
+        finally:  # the helpers write into the caller's arrays: never leave while one still does
+            wait(futures)
+        return [mine, *(future.result() for future in futures)]
+
+
+def _as_decode_thread() -> None:
+    name_this_thread(DECODE)
+    yield_wakeups_to_the_trainer()
+
+
+@dataclass(frozen=True)
+class _Rows:
+    """A slice's decoded rows, event by event: its event e's (counted from the slice's first) are
+    rows[first[e]:stop[e]], of tables row_table[...]."""
+
+    events: slice
+    rows: np.ndarray
+    row_table: np.ndarray
+    first: np.ndarray
+    stop: np.ndarray
+    counts: np.ndarray  # per table, the rows of the slice's kept events
+    cursor: np.ndarray | None = None  # per table, where the slice's rows go in the KJT's values
+
+    @staticmethod
+    def joined(parts: list[_Rows]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The slices' rows as one batch's: (rows, row_table, first, stop)."""
+        shifts = np.cumsum([0] + [len(part.rows) for part in parts[:-1]])
+        return (
+            np.concatenate([part.rows for part in parts]),
+            np.concatenate([part.row_table for part in parts]),
+            np.concatenate([part.first + shift for part, shift in zip(parts, shifts, strict=True)]),
+            np.concatenate([part.stop + shift for part, shift in zip(parts, shifts, strict=True)]),
+        )
 
 
 _FALLBACK, _UNKNOWN, _BAD, _UNRESOLVABLE = -2, -3, -4, -5
@@ -489,6 +606,7 @@ class FastavroDecoder:
             part.times,
             values,
             {**details, **part.details},
+            [len(v) for v in part.values],
         )
 
     def columns(self, bodies: list[bytes], writers: list[int | None], early: np.ndarray | None = None) -> _Columns:
@@ -565,6 +683,7 @@ def _result(
     times: np.ndarray,
     values: np.ndarray,
     details: dict[int, str],
+    length_per_key: list[int],
 ) -> DecodeResult:
     kept = status == ap.OK
     count = int(kept.sum())
@@ -577,7 +696,10 @@ def _result(
             keys=keys,
             values=torch.from_numpy(values),
             lengths=torch.from_numpy(np.ascontiguousarray(lengths if everything else lengths[:, kept]).reshape(-1)),
-        ).sync(),  # per-key lengths and offsets, computed here on the host, not by a .tolist() per step
+            # Given here, from the decoder's counts, rather than summed per step with a .tolist().
+            length_per_key=length_per_key,
+            offset_per_key=list(itertools.accumulate(length_per_key, initial=0)),
+        ),
         labels=torch.from_numpy(labels if everything else labels[kept]),
         event_time_ms=torch.from_numpy(times if everything else times[kept]),
         loss_scale=torch.tensor(1.0 / max(count, 1)),

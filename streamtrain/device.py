@@ -213,6 +213,23 @@ def intra_op_threads(configured: int | None) -> int:
     return max(1, len(os.sched_getaffinity(0)) // ranks_here - 1)
 
 
+def decode_threads(configured: int | None, device: torch.device) -> int:
+    """The threads that decode each of this rank's batches (batching.decode_threads): as configured;
+    else 1 for a rank that trains on the CPU, and for a CUDA rank its share of the cores less two
+    (at least 1). More threads than a batch has slices of ``MIN_SLICE_EVENTS`` stay idle.
+
+    On the CPU, ``intra_op_threads`` gives the trainer every core but one, and that one is the data
+    path's: a second decode thread would take a core from a thread pool whose parallel regions wait
+    for their slowest thread. A CUDA rank's training thread needs one core to launch kernels; one more
+    is left for librdkafka's fetch threads and the snapshot writer, and the rest decode."""
+    if configured is not None:
+        return configured
+    if device.type != "cuda":
+        return 1
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return max(1, len(os.sched_getaffinity(0)) // ranks_here - 2)
+
+
 def init_distributed(timeout_seconds: float = 60.0, device: str = "auto", threads: int | None = None) -> DistEnv:
     """Join the process group torchrun describes in the environment, or form one of size 1, on the
     device ``select_device`` chooses for ``device`` (distributed.device), with ``threads``

@@ -16,6 +16,8 @@ import os
 import sys
 
 PREFETCH = "st-prefetch"
+# A rank's helpers decoding slices of the prefetch thread's batches (batching.decode_threads).
+DECODE = "st-decode"
 
 _PR_SET_NAME = 15
 _NAME_BYTES = 16  # the kernel's limit, the terminating NUL included

@@ -28,7 +28,7 @@ from streamtrain.config import WorkerConfig
 from streamtrain.deadletter import Rejections
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.publisher import Publisher
-from streamtrain.device import gloo_group, init_distributed
+from streamtrain.device import decode_threads, gloo_group, init_distributed
 from streamtrain.lockstep import Lockstep, SnapshotSchedule
 from streamtrain.metrics import Health, WorkerMetrics
 from streamtrain.registry import schema_source
@@ -304,7 +304,13 @@ def _run(
     resources.callback(source.close)
     health.ready = True  # the state is restored and the broker answered the source's metadata request
     health.not_ready_reason = "the Kafka brokers are down"
-    decoder = AvroBatchDecoder(config.features, schema_source(config.features), config.tasks())
+    decoder = AvroBatchDecoder(
+        config.features,
+        schema_source(config.features),
+        config.tasks(),
+        threads=decode_threads(config.batching.decode_threads, env.device),
+    )
+    log.info("rank %d decoding on %d thread(s) (batching.decode_threads)", env.rank, decoder.slices.threads)
     rejections = Rejections(config.dead_letter, config.kafka, metrics, env.rank)
     resources.callback(rejections.close)
     # A rank blocked on a dead-letter write serves no consumer callbacks: its producer speaks for it.

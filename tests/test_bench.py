@@ -454,3 +454,18 @@ def test_idspace_benchmark_trains_one_drifting_stream_hash_managed_and_reference
     assert 0.6 < saved["managed_auc"] < saved["bayes_auc"] + 0.02 and saved["throughput_ratio"] > 0
     assert legs["managed"]["state_bytes"] <= legs["hash"]["state_bytes"], "the managed leg must fit the same memory"
     assert "managed - hash" in printed and "throughput managed / hash" in printed
+
+
+@pytest.mark.integration  # starts its own broker
+def test_datapath_benchmark_reports_each_thread_counts_rate_the_scaling_and_a_projection():
+    saved, printed = _run_bench("datapath", "--quick", "--config", str(SMALL_CONFIG))
+    threads = saved["threads"]
+    assert threads == list(range(1, len(threads) + 1)) and len(threads) >= 2
+    decode, whole = saved["decode_events_per_second_by_threads"], saved["events_per_second_by_threads"]
+    assert set(decode) == set(whole) == {str(n) for n in threads}
+    assert all(rate > 0 for rate in [*decode.values(), *whole.values()])
+    assert saved["scaling_2_threads"] == decode["2"] / decode["1"]
+    assert saved["events_per_second_per_thread"] == whole[str(threads[-1])] / threads[-1]
+    assert saved["decode_seconds_per_event"] > 0 and saved["rest_seconds_per_event"] > 0
+    assert 0 < saved["projected_events_per_second"] < saved["ceiling_events_per_second"]
+    assert "decode stage, 2 threads / 1" in printed and "projected, 16 cores" in printed

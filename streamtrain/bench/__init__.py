@@ -60,6 +60,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "streamtrain.bench.decode",
         "the compiled Avro batch decoder against fastavro plus a Python loop, same payloads, one core",
     ),
+    "datapath": (
+        "streamtrain.bench.datapath",
+        "Kafka -> decoded, pinned batches for one rank, no training, at 1, 2, ... decode threads",
+    ),
     "freshness": (
         "streamtrain.bench.freshness",
         "p50/p99 of (update applied - event time) at 50% and 90% of measured max throughput",

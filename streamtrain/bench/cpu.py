@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streamtrain.threads import PREFETCH
+from streamtrain.threads import DECODE, PREFETCH
 
 GROUPS = ("trainer", "prefetch", "librdkafka", "gloo", "other")
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -39,7 +39,7 @@ def thread_group(pid: int, tid: int, name: str) -> str:
         return "trainer"
     if name.startswith("rdk:"):  # librdkafka names its threads rdk:main, rdk:broker<id>, ...
         return "librdkafka"
-    if name == PREFETCH:
+    if name in (PREFETCH, DECODE):  # the data path: the prefetch thread and its decode helpers
         return "prefetch"
     if name.startswith(("gloo", "pt_gloo")):  # torch's names: gloo_tcp_loop, pt_gloo_runloop
         return "gloo"
