@@ -1,8 +1,10 @@
-"""quality: how close each task gets to the stream's Bayes AUC, per multi-task architecture.
+"""quality: how close each task gets to the stream's Bayes AUC, per multi-task architecture and
+per model architecture.
 
 Trains --events planted events (clk and buy, see streamtrain/dev/produce.py) on one rank with the
-config's model, once with clk alone (DLRM exactly, the baseline) and once per architecture with
-both tasks. Each run reports, per task, the progressive (test-then-train) AUC over the last
+config's model, once with clk alone (DLRM exactly, the baseline), once per multi-task architecture
+with both tasks, and once per built-in model (--models: dlrm, dcn_v2, deepfm; streamtrain/models/)
+with both tasks under shared_bottom. Each run reports, per task, the progressive (test-then-train) AUC over the last
 --window events trained, and the AUC on --holdout fresh events that follow them in the stream,
 scored by the final model without training; both beside the task's Bayes AUC on the same events.
 buy is predicted over all events; its AUC over the clicks alone is reported too. Every run trains
@@ -14,7 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +30,8 @@ if TYPE_CHECKING:
 
 TASKS = [{"name": "clk", "label": "clk"}, {"name": "buy", "label": "buy"}]
 ARCHITECTURES = ("shared_bottom", "mmoe", "dbmtl")
+# The built-in models (model.architecture), each a run of its own.
+MODELS = ("dlrm", "dcn_v2", "deepfm")
 # What each architecture's tasks are: dbmtl's buy reads clk's tower (a purchase follows a click).
 ARCHITECTURE_TASKS = {"dbmtl": [TASKS[0], {**TASKS[1], "depends_on": "clk"}]}
 # The goals the issue sets: each task's holdout AUC within this of its Bayes AUC, and clk with
@@ -43,15 +47,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--architectures", nargs="+", choices=ARCHITECTURES, default=list(ARCHITECTURES), help="default: all"
     )
+    parser.add_argument(
+        "--models", nargs="*", choices=MODELS, default=list(MODELS), help="built-in models, each a run (default: all)"
+    )
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     events, window, holdout = (20_000, 5_000, 5_000) if args.quick else (args.events, args.window, args.holdout)
-    return bench_quality(args.config, events, window, holdout, args.seed, args.architectures, progress)
+    return bench_quality(args.config, events, window, holdout, args.seed, args.architectures, progress, args.models)
 
 
-def run_configs(path: Path, architectures: list[str]) -> dict[str, WorkerConfig]:
-    """clk alone, then clk and buy under each architecture, all on the model of the config at ``path``."""
+def run_configs(path: Path, architectures: list[str], models: Sequence[str] = ()) -> dict[str, WorkerConfig]:
+    """clk alone, then clk and buy under each multi-task architecture, all on the model of the config
+    at ``path``; then clk and buy on each built-in model of ``models``."""
     import yaml
 
     from streamtrain.config import parse_config
@@ -61,6 +69,7 @@ def run_configs(path: Path, architectures: list[str]) -> dict[str, WorkerConfig]
     model = raw.get("model") or {}
     runs = {"clk_alone": {**model, "tasks": TASKS[:1]}}
     runs |= {name: {**model, "tasks": ARCHITECTURE_TASKS.get(name, TASKS), "multitask": name} for name in architectures}
+    runs |= {name: {**model, "tasks": TASKS, "architecture": name} for name in models}
     return {name: parse_config({**raw, "model": section}) for name, section in runs.items()}
 
 
@@ -72,8 +81,9 @@ def bench_quality(
     seed: int,
     architectures: list[str],
     progress: Callable[[str], None],
+    models: Sequence[str] = (),
 ) -> dict:
-    configs = run_configs(config_path, architectures)
+    configs = run_configs(config_path, architectures, models)
     started = time.perf_counter()
     train, test, truth = _stream(configs[architectures[0]], events, holdout, seed)
     progress(f"{events:,} + {holdout:,} events encoded and decoded in {time.perf_counter() - started:.0f}s")
