@@ -165,6 +165,7 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
         "over_arch_layer_sizes": list(config.model.over_arch_layer_sizes),
         "sparse_optimizer": config.model.sparse_optimizer,
         "heads": _heads(config),
+        **_architecture(config),
         # each match adds a dense input, widening the dense arch's first layer; only when set, so
         # that fingerprints written before matches existed still match
         **(
@@ -173,6 +174,19 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
             else {}
         ),
     }
+
+
+def _architecture(config: WorkerConfig) -> dict[str, Any]:
+    """The net's kind and the settings that shape it; nothing for DLRM, so that fingerprints
+    written before other architectures existed still match. A user's module is fingerprinted by
+    its factory's name and options: what it builds from them is its own."""
+    model = config.model
+    if model.module is not None:
+        return {"net": {"module": model.module, "options": dict(model.options)}}
+    settings = {"dcn_v2": model.dcn_v2, "deepfm": model.deepfm}.get(model.architecture)
+    if settings is None:
+        return {}
+    return {"net": {"architecture": model.architecture, **settings.model_dump(mode="json")}}
 
 
 # What the heads of every snapshot written before multi-task were: one task, DLRM's own over arch.

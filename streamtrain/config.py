@@ -523,9 +523,46 @@ class TargetMatchConfig(_Strict):
     )
 
 
-class ModelConfig(_Strict):
-    """TorchRec's DLRM over the tables, with a head per task, and its optimizers."""
+class DCNv2Config(_Strict):
+    """dcn_v2's cross network: TorchRec's LowRankCrossNet over [dense vector, embeddings]."""
 
+    num_layers: int = Field(default=2, gt=0, description="Cross layers, each one more degree of feature crossing.")
+    low_rank_dim: int = Field(
+        default=32, gt=0, description="The rank of each cross layer's weight (U V^T, both [(tables + 1) x dim, rank])."
+    )
+
+
+class DeepFMConfig(_Strict):
+    """deepfm's interaction: TorchRec's FMInteractionArch."""
+
+    deep_dimension: int = Field(
+        default=32, gt=0, description="Width of the deep layer over [dense vector, embeddings] beside the FM."
+    )
+
+
+# The architectures streamtrain ships (streamtrain/models/); model.module names a user's instead.
+ArchitectureName = Literal["dlrm", "dcn_v2", "deepfm"]
+
+
+class ModelConfig(_Strict):
+    """The net trained over the tables (a built-in architecture, or a user's module), with a head
+    per task, and its optimizers."""
+
+    architecture: ArchitectureName = Field(
+        default="dlrm",
+        description="The built-in architecture trained: dlrm, dcn_v2 or deepfm (docs/models.md).",
+    )
+    module: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description='A user\'s model instead of a built-in: "package.module:factory", importable from PYTHONPATH; '
+        "the factory takes a streamtrain.models.base.ModelSpec and returns the module (docs/models.md).",
+    )
+    options: dict[str, Any] = Field(
+        default={}, description="Settings for model.module's factory, which reads them as spec.model.options."
+    )
+    dcn_v2: DCNv2Config = Field(default=DCNv2Config(), description="dcn_v2's cross layers.")
+    deepfm: DeepFMConfig = Field(default=DeepFMConfig(), description="deepfm's deep layer.")
     dense_arch_layer_sizes: list[int] = Field(
         default=[64, 16],
         description="The dense arch's MLP over the dense features; the last size must equal the tables' embedding_dim.",
@@ -583,6 +620,14 @@ class ModelConfig(_Strict):
         if duplicated:
             raise ValueError(f"task names must be unique; repeated: {duplicated}")
         return value
+
+    @model_validator(mode="after")
+    def _one_architecture(self) -> ModelConfig:
+        if self.module is not None and self.architecture != "dlrm":
+            raise ValueError("model.module replaces model.architecture: set one of them")
+        if self.options and self.module is None:
+            raise ValueError("model.options is only read by model.module's factory; set that or remove it")
+        return self
 
     @model_validator(mode="after")
     def _dependencies_name_earlier_tasks(self) -> ModelConfig:
@@ -1011,10 +1056,13 @@ class WorkerConfig(_Strict):
 
     @model_validator(mode="after")
     def _dlrm_shapes(self) -> WorkerConfig:
+        if self.model.module is not None:  # a user's model checks its own shapes (streamtrain/models/)
+            return self
         dims = {t.embedding_dim for t in self.features.tables}
         if len(dims) > 1:
             raise ValueError(
-                f"features.tables: DLRM's interaction needs one embedding_dim for all tables, got {sorted(dims)}"
+                "features.tables: the built-in architectures' interactions need one embedding_dim for all tables, "
+                f"got {sorted(dims)}"
             )
         if self.model.dense_arch_layer_sizes[-1] != dims.pop():
             raise ValueError(

@@ -1,4 +1,5 @@
-"""What sits above DLRM's interaction when the model predicts several tasks (``model.multitask``).
+"""What sits above a built-in model's interaction (DLRM's when it predicts several tasks; DCN-v2's
+and DeepFM's always, streamtrain/models/), as ``model.multitask`` says.
 
 Every task shares the sparse arch, the dense arch and the interaction; the heads turn the
 interaction's output ([B, F]) into one logit per task ([B, T]):

@@ -1,144 +1,49 @@
-"""What is trained: a DLRM over the configured tables and dense features (and the target matches'
-counts, streamtrain/target_match.py), with a head per task."""
+"""What is trained: the configured architecture (streamtrain/models/: a built-in, or a user's
+factory) over the dense features, the target matches' counts (streamtrain/target_match.py) and the
+id features, with a loss per task."""
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor, PoolingType
-from torchrec.models.dlrm import DLRM, InteractionArch, SparseArch
+from torchrec import KeyedJaggedTensor
 
 from streamtrain.config import FeaturesConfig, ModelConfig, TaskConfig
 from streamtrain.decode import ClickBatch
-from streamtrain.heads import HEADS, architecture, interaction_size
-from streamtrain.target_match import TargetMatchDLRM
+from streamtrain.models import factory, net_name
+from streamtrain.models.base import ModelSpec, check_tables, embedding_configs
+from streamtrain.models.dlrm import FlatInteractionArch, KeyedInteractionArch, KeyedSparseArch
+from streamtrain.target_match import match_counts
 
-_POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+# DLRM's parts lived here before streamtrain/models/ did; importers of them keep working.
+__all__ = [
+    "ClickModel",
+    "FlatInteractionArch",
+    "KeyedInteractionArch",
+    "KeyedSparseArch",
+    "embedding_configs",
+    "net_logits",
+]
 
-
-def embedding_configs(features: FeaturesConfig) -> list[EmbeddingBagConfig]:
-    """A table per entry that owns one, looked up by its own feature and by those sharing it."""
-    return [
-        EmbeddingBagConfig(
-            name=t.name,
-            feature_names=[t.name, *(f.name for f in features.tables if f.shares_table_with == t.name)],
-            num_embeddings=t.num_embeddings,
-            embedding_dim=t.embedding_dim,
-            pooling=_POOLING[t.pooling],
-        )
-        for t in features.owned_tables()
-    ]
-
-
-def _upper_products(combined: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-    """[B, pairs]: the dot products of each event's rows of ``combined`` ([B, n, dim]) at the
-    flat positions ``pairs`` of its n x n products."""
-    return torch.bmm(combined, combined.transpose(1, 2)).flatten(1).index_select(1, pairs)
+# TrainPipelineSparseDist traces the model with torch.fx to find the sharded tables' inputs; the
+# counts branch on the batch's size, which a trace cannot follow, and feed no table: one node.
+torch.fx.wrap("match_counts")
 
 
-class _UpperProducts(torch.autograd.Function):
-    """``_upper_products`` with the backward written for it. Autograd's would zero the n x n
-    products' gradient and scatter-add into it, then add the two products' gradients, one of them
-    transposed: a strided add, several times as slow as a contiguous one. Here the picked positions
-    are copied into the zeros, and the gradient is that matrix times ``combined`` plus its
-    transpose times ``combined``, both contiguous."""
-
-    @staticmethod
-    def forward(ctx: Any, combined: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(combined, pairs)
-        return _upper_products(combined, pairs)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        combined, pairs = ctx.saved_tensors
-        batch, n, _dim = combined.shape
-        picked = grad.new_zeros(batch, n * n).index_copy_(1, pairs, grad).view(batch, n, n)
-        return torch.baddbmm(torch.bmm(picked, combined), picked.transpose(1, 2), combined), None
-
-
-def _interaction(dense: torch.Tensor, sparse: torch.Tensor, pairs: torch.Tensor) -> torch.Tensor:
-    """The dense features, then the products of the pairs of [dense, sparse features] at ``pairs``."""
-    combined = torch.cat((dense.unsqueeze(1), sparse), dim=1)
-    upper = _UpperProducts.apply if torch.is_grad_enabled() else _upper_products  # export traces the plain ops
-    return torch.cat((dense, upper(combined, pairs)), dim=1)
-
-
-class FlatInteractionArch(InteractionArch):
-    """TorchRec's InteractionArch, the same forward bit for bit, at less cost: the upper triangle
-    of the pairwise products is picked with ``index_select`` from the products flattened per event,
-    where TorchRec indexes rows and columns with two index tensors, whose backward is an
-    accumulating ``index_put``; and the backward is ``_UpperProducts``'. The buffers are not
-    persistent: snapshots and served bases are unchanged."""
-
-    def __init__(self, num_sparse_features: int) -> None:
-        super().__init__(num_sparse_features)
-        rows, columns = self.triu_indices
-        self.register_buffer("triu_flat_indices", rows * (self.F + 1) + columns, persistent=False)
-
-    def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
-        if self.F <= 0:
-            return dense_features
-        return _interaction(dense_features, sparse_features, self.triu_flat_indices)
-
-
-_PAIRS: dict[tuple, torch.Tensor] = {}
-
-
-def interaction_by_name(
-    dense: torch.Tensor, embeddings: KeyedTensor, names: list[str], triu_flat_indices: torch.Tensor
+def net_logits(
+    net: nn.Module, pairs: list[tuple[str, str]], dense: torch.Tensor, sparse: KeyedJaggedTensor
 ) -> torch.Tensor:
-    """``FlatInteractionArch`` over pooled embeddings in any order: the pairs of the features in the
-    order of ``names`` are picked where ``embeddings``' order puts them (the products are symmetric,
-    so either of a pair's two positions will do)."""
-    keys, values = embeddings.keys(), embeddings.values()
-    sparse = values.view(values.shape[0], len(keys), dense.shape[1])
-    if keys == names:
-        return _interaction(dense, sparse, triu_flat_indices)
-    cached = (tuple(keys), tuple(names), values.device)
-    if cached not in _PAIRS:
-        n = len(keys) + 1
-        row = [0] + [1 + keys.index(name) for name in names]  # combined's row of each table-order row
-        _PAIRS[cached] = torch.tensor(
-            [row[int(flat) // n] * n + row[int(flat) % n] for flat in triu_flat_indices], device=values.device
-        )
-    return _interaction(dense, sparse, _PAIRS[cached])
-
-
-# TrainPipelineSparseDist traces the model with torch.fx; the order is read from the sharded
-# collection's output, which a trace cannot look into: one node.
-torch.fx.wrap("interaction_by_name")
-
-
-class KeyedSparseArch(SparseArch):
-    """TorchRec's SparseArch, less its reorder: the pooled embeddings stay a KeyedTensor in the
-    collection's order, which a sharded collection groups by sharding type and rank. SparseArch
-    puts them back in the tables' order with a slice per feature and a cat, and autograd undoes
-    that with another cat; ``KeyedInteractionArch`` picks its pairs where they are instead."""
-
-    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
-        return self.embedding_bag_collection(features)
-
-
-class KeyedInteractionArch(FlatInteractionArch):
-    """``FlatInteractionArch`` over ``KeyedSparseArch``'s output: TorchRec's numbers in the
-    forward, bit for bit, and in the backward to rounding (a sharded order sums each feature's
-    gradient over the others in another order)."""
-
-    def __init__(self, sparse_feature_names: list[str]) -> None:
-        super().__init__(len(sparse_feature_names))
-        self.sparse_feature_names = list(sparse_feature_names)
-
-    def forward(self, dense_features: torch.Tensor, sparse_features: KeyedTensor) -> torch.Tensor:
-        return interaction_by_name(dense_features, sparse_features, self.sparse_feature_names, self.triu_flat_indices)
+    """The net's logits [B, tasks], with the target matches' counts after the dense features: the
+    one scoring path of training and of the served program."""
+    if pairs:
+        dense = torch.cat([dense, match_counts(sparse, pairs).to(dense.dtype)], dim=1)
+    return net(dense, sparse)
 
 
 class ClickModel(nn.Module):
-    """DLRM: tables -> pooled embeddings, an MLP over dense features, pairwise interaction, then a
-    logit per task: DLRM's own over arch for one task with shared_bottom, else the heads of
-    ``model.multitask`` (streamtrain/heads.py) in the over arch's place.
+    """The net (the architecture, under its own name: ``dlrm``, ``dcn_v2``, ``deepfm``, or
+    ``module`` for a user's factory, so a snapshot's parameter names say which it is), and the loss.
 
     ``forward`` returns what TorchRec's train pipelines expect: (loss to backpropagate, output).
     The output holds the logits computed *before* this batch's update, which is what progressive
@@ -147,37 +52,32 @@ class ClickModel(nn.Module):
     """
 
     def __init__(
-        self, features: FeaturesConfig, model: ModelConfig, tasks: list[TaskConfig], dense_device: torch.device
+        self,
+        features: FeaturesConfig,
+        model: ModelConfig,
+        tasks: list[TaskConfig],
+        dense_device: torch.device,
+        table_device: torch.device | None = None,
     ):
         super().__init__()
-        dlrm_arguments = {
-            "embedding_bag_collection": EmbeddingBagCollection(
-                tables=embedding_configs(features), device=torch.device("meta")
-            ),
-            "dense_in_features": len(features.dense),
-            "dense_arch_layer_sizes": list(model.dense_arch_layer_sizes),
-            "over_arch_layer_sizes": list(model.over_arch_layer_sizes),
-            "dense_device": dense_device,
-        }
-        # Without target matches, DLRM itself: its forward, and every snapshot made before them.
-        self.dlrm = (
-            TargetMatchDLRM(model.target_matches, **dlrm_arguments) if model.target_matches else DLRM(**dlrm_arguments)
-        )
-        self.dlrm.sparse_arch = KeyedSparseArch(self.dlrm.sparse_arch.embedding_bag_collection)
-        self.dlrm.inter_arch = KeyedInteractionArch(self.dlrm.sparse_arch.sparse_feature_names)
-        if architecture(tasks, model) != "dlrm":
-            # DLRM's forward ends in over_arch(interaction): the heads take its place, and the
-            # sparse arch, dense arch and interaction stay DLRM's, shared by every task. One
-            # shared_bottom task keeps DLRM's own over arch, and the names its snapshots use.
-            width = interaction_size(len(features.tables), features.tables[0].embedding_dim)
-            self.dlrm.over_arch = HEADS[model.multitask](width, tasks, model, dense_device)
+        spec = ModelSpec(features, model, tasks, dense_device, table_device or torch.device("meta"))
+        self.net_name = net_name(model)
+        with dense_device:  # layers a factory builds without a device go where the dense ones go
+            self.add_module(self.net_name, factory(model)(spec))
+        check_tables(self.net, features, _where(model))
+        # Plain strings: the fx trace records them as the counts' arguments.
+        self.pairs = [(m.candidate, m.history) for m in model.target_matches]
         # Not in the state dict: a snapshot restores under other loss weights.
         self.register_buffer(
             "loss_weights", torch.tensor([t.loss_weight for t in tasks], device=dense_device), persistent=False
         )
 
+    @property
+    def net(self) -> nn.Module:
+        return self.get_submodule(self.net_name)
+
     def forward(self, batch: ClickBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        logits = self.dlrm(batch.dense_features, batch.sparse_features).squeeze(-1)
+        logits = net_logits(self.net, self.pairs, batch.dense_features, batch.sparse_features).squeeze(-1)
         # A NaN label (a null one of a task that is not required) adds nothing to its task's loss.
         known = ~batch.labels.isnan()
         per_event = F.binary_cross_entropy_with_logits(logits, batch.labels.nan_to_num(0.0), reduction="none")
@@ -187,3 +87,7 @@ class ClickModel(nn.Module):
         # the global batch, whatever share of it carries that task's label.
         loss = per_event.sum() * batch.loss_scale
         return loss, (per_event.detach().sum(), logits.detach(), batch.labels)
+
+
+def _where(model: ModelConfig) -> str:
+    return f"model.module {model.module}" if model.module else f"model.architecture {model.architecture}"

@@ -6,8 +6,9 @@ history's others, and a model learns each category's match one pair of rows at a
 ``bench quality`` found 0.27 of the planted effect learnt). Target attention (DIN) scores every
 history id against the candidate instead; this is its exact-match kernel: per pair of features,
 the count of history ids equal to the candidate's, read from the batch's ids, with no parameters.
-The counts join the dense features ahead of the dense arch, so every task's head can use them,
-and a rare category's match counts as much as a frequent one's.
+The counts join the dense features ahead of the model (streamtrain/model.py), whatever its
+architecture, so every task's head can use them, and a rare category's match counts as much as a
+frequent one's.
 
 Both features must map raw ids to rows the same way (config.py checks it), or equal rows would not
 mean equal ids.
@@ -40,15 +41,10 @@ def match_counts(sparse: KeyedJaggedTensor, pairs: list[tuple[str, str]]) -> tor
     return torch.stack(columns, dim=1)
 
 
-# TrainPipelineSparseDist traces the model with torch.fx to find the sharded tables' inputs; the
-# counts branch on the batch's size, which a trace cannot follow, and feed no table: one node.
-torch.fx.wrap("match_counts")
-
-
 class TargetMatchDLRM(DLRM):
-    """DLRM whose dense arch also reads the match counts after the dense features. A subclass, so
-    that the parameter names (and a snapshot's, a served base's) stay DLRM's, and the served
-    program computes the counts from the ids it is given, as training does."""
+    """DLRM whose dense arch also reads the match counts after the dense features (the model
+    appends them). A subclass, so that the parameter names (and a snapshot's, a served base's)
+    stay DLRM's."""
 
     def __init__(
         self,
@@ -66,9 +62,3 @@ class TargetMatchDLRM(DLRM):
             over_arch_layer_sizes=over_arch_layer_sizes,
             dense_device=dense_device,
         )
-        # Plain strings: the fx trace above records them as the call's arguments.
-        self.pairs = [(m.candidate, m.history) for m in matches]
-
-    def forward(self, dense_features: torch.Tensor, sparse_features: KeyedJaggedTensor) -> torch.Tensor:
-        counts = match_counts(sparse_features, self.pairs).to(dense_features.dtype)
-        return super().forward(torch.cat([dense_features, counts], dim=1), sparse_features)

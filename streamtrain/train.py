@@ -48,6 +48,8 @@ from streamtrain.device import (
 from streamtrain.idspace import IdSpace, RowResetter, managed_tables
 from streamtrain.metrics import IdSpaceMetrics
 from streamtrain.model import ClickModel
+from streamtrain.models import check_exportable
+from streamtrain.models.base import table_weights
 from streamtrain.threads import profiled
 
 log = logging.getLogger(__name__)
@@ -181,10 +183,12 @@ def plan_sharding(
     and the dense layers stay on the meta device too. ``planner_topology`` defaults to
     ``topology(config, world_size, compute_device, device=dense_device)``.
     """
+    if config.model.module is not None:
+        check_exportable(config.features, config.model, config.tasks())
     model = ClickModel(config.features, config.model, config.tasks(), dense_device or torch.device("meta"))
     apply_optimizer_in_backward(
         _SPARSE_OPTIMIZERS[config.model.sparse_optimizer],
-        model.dlrm.sparse_arch.parameters(),
+        [p for name, p in model.named_parameters() if name in set(table_weights(model).values())],
         {"lr": config.model.sparse_learning_rate * config.learning_rate_scales(world_size)[0]},
     )
     planner = EmbeddingShardingPlanner(
@@ -215,7 +219,6 @@ def _constraints(config: WorkerConfig) -> dict[str, ParameterConstraints]:
     return constraints
 
 
-_EBC = "dlrm.sparse_arch.embedding_bag_collection"
 _OPTIMIZER_STATE_PER_ROW = {"row_wise_adagrad": lambda dim: 1, "adagrad": lambda dim: dim, "sgd": lambda dim: 0}
 
 
@@ -224,8 +227,9 @@ def plan_table(plan: ShardingPlan, config: WorkerConfig, world_size: int) -> lis
     weights plus the sparse optimizer's state)."""
     rows = []
     state_per_row = _OPTIMIZER_STATE_PER_ROW[config.model.sparse_optimizer]
+    shardings = {name: sharding for tables in plan.plan.values() for name, sharding in tables.items()}
     for table in config.features.owned_tables():
-        sharding = plan.plan[_EBC][table.name]
+        sharding = shardings[table.name]
         shards: list[dict[str, Any]]  # rank, offsets, sizes; then bytes
         if sharding.sharding_spec is None:  # data parallel: a full replica on every rank
             shards = [

@@ -147,6 +147,8 @@ def test_e2e_rounds_report_each_rounds_ratios_and_their_median():
     assert "(goal <= 1.2: met)" in table({**result, "cpu_per_event_ratio": 1.1})
     assert "2.00 x naive, 0.80 of the limit, CPU 1.20; 1.50 x naive" in markdown(result)
     assert "the trainers waited for a core 7% of the time" in printed
+    models = {"dcn_v2": {"events_per_second": 20.0, "over_dlrm": 0.5}}
+    assert "worker with dcn_v2: 20 events/s = 0.50 x DLRM's" in table({**result, "models": models})
     assert "| trainers runnable, waiting for a core (share of the time) | 7% | 7% | 7% |" in markdown(result)
 
 
@@ -359,9 +361,10 @@ def test_decode_benchmark_runs_both_decoders_and_reports_a_ratio_on_the_cpu_devi
 
 def test_quality_benchmark_reports_each_tasks_progressive_holdout_and_bayes_auc_per_architecture():
     saved = _bench("quality", "--quick", "--config", str(SMALL_CONFIG))
-    assert set(saved["architectures"]) == {"clk_alone", "shared_bottom", "mmoe", "dbmtl"}
+    models = {"dlrm", "dcn_v2", "deepfm"}
+    assert set(saved["architectures"]) == {"clk_alone", "shared_bottom", "mmoe", "dbmtl", *models}
     assert set(saved["architectures"]["clk_alone"]["tasks"]) == {"clk"}
-    for name in ("shared_bottom", "mmoe", "dbmtl"):
+    for name in ("shared_bottom", "mmoe", "dbmtl", *models):
         tasks = saved["architectures"][name]["tasks"]
         assert set(tasks) == {"clk", "buy"}
         for figures in tasks.values():

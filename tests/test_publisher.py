@@ -23,7 +23,6 @@ from streamtrain.config import ConfigError, parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.deltas import Assembler, Delta, DeltaId, DensePiece, RowPiece
 from streamtrain.delivery.publisher import (
-    EBC_PATH,
     PRUNE_SECONDS,
     RETRY_MAX_SECONDS,
     BaseExports,
@@ -37,6 +36,9 @@ from streamtrain.device import init_distributed
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.source import RawEvent
 from streamtrain.train import Trainer
+
+# Where DLRM's tables sit in the DMP's state dict and plan.
+EBC_PATH = "dlrm.sparse_arch.embedding_bag_collection"
 
 
 def config_for(tmp_path: Path, **delivery):

@@ -17,6 +17,10 @@ Each figure is events/s over both ranks from the end of the warm-up to the last 
 the warm-up is the first --warm-up seconds after the first trained event. Printed ratios: worker
 over naive (goal >= 2) and worker over limit (goal >= 0.8).
 
+With --models, the worker leg runs again per built-in model (``model.architecture``,
+streamtrain/models/), and each one's events/s is stated over DLRM's worker leg of the same run:
+the price of the architecture on this host.
+
 Each leg also reports its CPU-seconds per trained event over the same window (``bench/cpu.py``):
 every thread of every rank, split by thread (trainer, prefetch, librdkafka, gloo, other), and the
 broker's apart; ``cpu_per_event_ratio`` is the worker's over the limit's (goal <= 1.2). Beside it,
@@ -75,6 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "each round's ratios and their median: the machine's speed drifts between legs (default 1)",
     )
     parser.add_argument(
+        "--models",
+        nargs="+",
+        choices=("dcn_v2", "deepfm"),
+        default=[],
+        help="also run the worker leg with each of these built-in models, and state its events/s over DLRM's",
+    )
+    parser.add_argument(
         "--profile",
         action="store_true",
         help="sample the worker and naive ranks with py-spy (collapsed stacks under results/) "
@@ -110,6 +121,16 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
                     legs[name] = limit_leg(args.config, rank_events, warm_up)
                 progress(f"  {legs[name]['events_per_second']:,.0f} events/s")
             rounds.append(legs)
+        models = {}
+        for model in args.models:
+            progress(f"worker with model.architecture {model}")
+            environment = {
+                "STREAMTRAIN_KAFKA__GROUP_ID": f"bench-e2e-{model}",
+                "STREAMTRAIN_MODEL__ARCHITECTURE": model,
+            }
+            rate = worker_leg(args.config, **kafka, environment=environment)["events_per_second"]
+            models[model] = {"events_per_second": rate, "over_dlrm": rate / rounds[0]["worker"]["events_per_second"]}
+            progress(f"  {rate:,.0f} events/s, {models[model]['over_dlrm']:.2f} of DLRM's")
     per_round = [ratios(legs) for legs in rounds]
     return {
         "benchmark": "e2e",
@@ -124,6 +145,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         # With several rounds, each ratio is the median of the rounds'; "legs" is the first round.
         **{key: _median([r[key] for r in per_round]) for key in RATIOS},
         "rounds": per_round,
+        **({"models": models} if models else {}),
         "loadavg": {"before": load_before, "after": loadavg()},
     }
 
@@ -551,6 +573,10 @@ def table(result: dict) -> str:
             lines.append(
                 f"  worker / {baseline} = {result[key]:.2f}   (goal >= {goal:g}: {_verdict(result[key] >= goal)})"
             )
+    for model, figures in result.get("models", {}).items():
+        lines.append(
+            f"  worker with {model}: {figures['events_per_second']:,.0f} events/s = {figures['over_dlrm']:.2f} x DLRM's"
+        )
     lines.extend(cpu_lines(result))
     if legs["worker"].get("data_wait_share") is not None:
         lines.append(

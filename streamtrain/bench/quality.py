@@ -1,8 +1,10 @@
-"""quality: how close each task gets to the stream's Bayes AUC, per multi-task architecture.
+"""quality: how close each task gets to the stream's Bayes AUC, per multi-task architecture and
+per model architecture.
 
 Trains --events planted events (clk and buy, see streamtrain/dev/produce.py) on one rank with the
-config's model, once with clk alone (DLRM exactly, the baseline) and once per architecture with
-both tasks. Each run reports, per task, the progressive (test-then-train) AUC over the last
+config's model, once with clk alone (DLRM exactly, the baseline), once per multi-task architecture
+with both tasks, and once per built-in model (--models: dlrm, dcn_v2, deepfm; streamtrain/models/)
+with both tasks under shared_bottom. Each run reports, per task, the progressive (test-then-train) AUC over the last
 --window events trained, and the AUC on --holdout fresh events that follow them in the stream,
 scored by the final model without training; both beside the task's Bayes AUC on the same events.
 buy is predicted over all events; its AUC over the clicks alone is reported too. Every run trains
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
 
 TASKS = [{"name": "clk", "label": "clk"}, {"name": "buy", "label": "buy"}]
 ARCHITECTURES = ("shared_bottom", "mmoe", "dbmtl")
+# The built-in models (model.architecture), each a run of its own.
+MODELS = ("dlrm", "dcn_v2", "deepfm")
 # What each architecture's tasks are: dbmtl's buy reads clk's tower (a purchase follows a click).
 ARCHITECTURE_TASKS = {"dbmtl": [TASKS[0], {**TASKS[1], "depends_on": "clk"}]}
 # The goals the issue sets: each task's holdout AUC within this of its Bayes AUC, and clk with
@@ -63,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-events", type=int, default=4_000_000, help="events trained per batch size (default 4,000,000)"
     )
     parser.add_argument("--only", choices=PARTS, help="run only the architectures or only the batch-size axis")
+    parser.add_argument(
+        "--models", nargs="*", choices=MODELS, default=list(MODELS), help="built-in models, each a run (default: all)"
+    )
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
@@ -70,12 +77,23 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     batch_sizes, batch_events = ([256, 1024], 20_000) if args.quick else (args.batch_sizes, args.batch_events)
     parts = [args.only] if args.only else list(PARTS)
     return bench_quality(
-        args.config, events, window, holdout, args.seed, args.architectures, progress, batch_sizes, batch_events, parts
+        args.config,
+        events,
+        window,
+        holdout,
+        args.seed,
+        args.architectures,
+        progress,
+        batch_sizes,
+        batch_events,
+        parts,
+        args.models,
     )
 
 
-def run_configs(path: Path, architectures: list[str]) -> dict[str, WorkerConfig]:
-    """clk alone, then clk and buy under each architecture, all on the model of the config at ``path``."""
+def run_configs(path: Path, architectures: list[str], models: Sequence[str] = ()) -> dict[str, WorkerConfig]:
+    """clk alone, then clk and buy under each multi-task architecture, all on the model of the config
+    at ``path``; then clk and buy on each built-in model of ``models``."""
     import yaml
 
     from streamtrain.config import parse_config
@@ -85,6 +103,7 @@ def run_configs(path: Path, architectures: list[str]) -> dict[str, WorkerConfig]
     model = raw.get("model") or {}
     runs = {"clk_alone": {**model, "tasks": TASKS[:1]}}
     runs |= {name: {**model, "tasks": ARCHITECTURE_TASKS.get(name, TASKS), "multitask": name} for name in architectures}
+    runs |= {name: {**model, "tasks": TASKS, "architecture": name} for name in models}
     return {name: parse_config({**raw, "model": section}) for name, section in runs.items()}
 
 
@@ -99,8 +118,9 @@ def bench_quality(
     batch_sizes: Sequence[int] = (),
     batch_events: int = 0,
     parts: Sequence[str] = PARTS,
+    models: Sequence[str] = (),
 ) -> dict:
-    configs = run_configs(config_path, architectures)
+    configs = run_configs(config_path, architectures, models)
     result: dict[str, Any] = {
         "benchmark": "quality",
         "machine": machine(),

@@ -33,7 +33,6 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch import nn
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torchrec import EmbeddingBagCollection
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 import streamtrain
@@ -58,7 +57,8 @@ from streamtrain.delivery.spec import (
     read_current,
     read_manifest,
 )
-from streamtrain.model import ClickModel, embedding_configs
+from streamtrain.model import ClickModel, net_logits
+from streamtrain.models.base import table_weights
 from streamtrain.schema import load_schema
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,6 @@ _TABLE_FIELDS = {"name", "field", "num_embeddings", "embedding_dim", "pooling", 
 _FORCE_SAFE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
 _CUSTOM_OBJ = "custom_obj_"
 _OPAQUE_OBJ = "opaque_obj_"
-_EMBEDDINGS = "dlrm.sparse_arch.embedding_bag_collection.embedding_bags.{}.weight"
 
 
 class ExportError(RuntimeError):
@@ -77,18 +76,20 @@ class ExportError(RuntimeError):
 
 
 class ScoringModule(nn.Module):
-    """What is exported: the trained DLRM (and its heads) on plain tensors, returning click
+    """What is exported: the trained net (and its heads) on plain tensors, returning click
     probabilities [B, tasks]. Plain tensors in, since a KeyedJaggedTensor is no input a serving
     runtime can build; the KJT is made inside, from the table order the decoder keys by."""
 
     def __init__(self, model: ClickModel, keys: list[str]):
         super().__init__()
-        self.dlrm = model.dlrm  # same attribute name: parameter names stay the snapshot's
+        self.net_name = model.net_name
+        self.add_module(model.net_name, model.net)  # the model's attribute name: parameter names stay the snapshot's
+        self.pairs = model.pairs
         self.keys = keys
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths)
-        logits = self.dlrm(dense, sparse)
+        logits = net_logits(self.get_submodule(self.net_name), self.pairs, dense, sparse)
         return torch.sigmoid(logits).reshape(dense.shape[0], -1)
 
 
@@ -135,13 +136,9 @@ def _flatten(snapshot: SnapshotInfo) -> dict[str, Any]:
 
 
 def unsharded_model(features: FeaturesConfig, model: ModelConfig, tasks: list[TaskConfig]) -> ClickModel:
-    """A ``ClickModel`` wholly on the CPU: its tables are built on the meta device for sharding,
-    so they are rebuilt here, to be filled by ``load_state_dict``."""
-    click = ClickModel(features, model, tasks, torch.device("cpu"))
-    click.dlrm.sparse_arch.embedding_bag_collection = EmbeddingBagCollection(
-        tables=embedding_configs(features), device=torch.device("cpu")
-    )
-    return click.eval()
+    """A ``ClickModel`` wholly on the CPU (tables included, where training builds them on the meta
+    device for sharding), to be filled by ``load_state_dict``."""
+    return ClickModel(features, model, tasks, torch.device("cpu"), table_device=torch.device("cpu")).eval()
 
 
 def _example(features: FeaturesConfig, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -226,6 +223,8 @@ def export_snapshot(
         shutil.copytree(features.resolved_writer_schemas_dir(), partial / WRITER_SCHEMAS)
         features_record["writer_schemas_dir"] = WRITER_SCHEMAS
     signature = program.graph_signature
+    weights = table_weights(module)
+    tables = {t.name: weights[t.name] for t in features.owned_tables()}
     manifest = Manifest.model_validate(
         {
             "format": FORMAT_VERSION,
@@ -262,8 +261,8 @@ def export_snapshot(
             },
             "parameters": Parameters(
                 # One per embedding table: a feature sharing another's table (shares_table_with) has none.
-                tables={t.name: _EMBEDDINGS.format(t.name) for t in features.owned_tables()},
-                dense={name: name for name in signature.parameters if not name.startswith("dlrm.sparse_arch.")},
+                tables=tables,
+                dense={name: name for name in signature.parameters if name not in tables.values()},
             ),
         }
     )

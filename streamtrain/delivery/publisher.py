@@ -71,8 +71,6 @@ EXPORT_COMMAND = (sys.executable, "-m", "streamtrain", "export")
 EXPORT_NICENESS = 10
 # In delivery.path: the newest base version allocated, exported or not.
 RESERVED = "reserved-version"
-# Where ClickModel's tables sit in the DMP's state dict and plan.
-EBC_PATH = "dlrm.sparse_arch.embedding_bag_collection"
 
 
 class TouchedIds:
@@ -127,9 +125,11 @@ def local_rows(state: dict[str, Any], plan: ShardingPlan, rank: int, ids: dict[s
     DTensors over the fused kernel's own weights, so they hold the optimizer's latest update. The
     shards' offsets come from the plan; DTensor's own local offsets are not reliable for these."""
     pieces = []
+    # Where each table's collection sits in the model, whatever its architecture.
+    collection_of = {table: path for path, tables in plan.plan.items() for table in tables}
     for table, wanted in ids.items():
-        weight = state[f"{EBC_PATH}.embedding_bags.{table}.weight"]
-        spec = plan.plan[EBC_PATH][table].sharding_spec
+        weight = state[f"{collection_of[table]}.embedding_bags.{table}.weight"]
+        spec = plan.plan[collection_of[table]][table].sharding_spec
         if spec is None:
             # Data parallel: every rank holds all of it, a torch parameter stepped by the dense
             # optimizer, whose momentum moves rows no batch looked up. The planner replicates only

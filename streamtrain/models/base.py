@@ -1,0 +1,107 @@
+"""The model interface: what the worker trains, whichever architecture it is.
+
+A model is an ``nn.Module`` made by a factory from a ``ModelSpec``::
+
+    forward(dense: Tensor [B, spec.dense_in_features] float32, sparse: KeyedJaggedTensor) -> Tensor [B, tasks]
+
+- ``dense`` is the decoder's dense features, then one column per target match (the count of the
+  history's ids equal to the candidate's, streamtrain/target_match.py); ``sparse`` holds one key
+  per entry of ``features.tables``, in that order; the output is a logit per task, in
+  ``spec.tasks``' order (no sigmoid: the loss and the server add it).
+- Its tables are TorchRec ``EmbeddingBagCollection``s built on
+  ``spec.table_device`` from ``spec.tables()`` (the meta device while the planner shards them;
+  fbgemm's fused optimizer then updates them in the backward). Every parameter outside them is
+  dense: replicated, updated by Adam, and published whole in each delta. ``table_weights`` finds
+  the tables, so export and deltas need nothing more from the module.
+- Its forward must ``torch.export`` with a dynamic batch (the served base is that program), and
+  ``torch.fx``-trace as far as its collections' inputs (TorchRec's train pipeline finds them so).
+  It must also take an empty batch: a rank with no events trains one (sum, never average, over
+  the batch). streamtrain.models.check_exportable tries the export and the shape at start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+
+from streamtrain.config import ConfigError, FeaturesConfig, ModelConfig, TaskConfig
+
+_POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What a factory builds from: the validated features, model settings and tasks, and where
+    to put the dense layers and the tables."""
+
+    features: FeaturesConfig
+    model: ModelConfig
+    tasks: list[TaskConfig]
+    dense_device: torch.device
+    table_device: torch.device
+
+    @property
+    def dense_in_features(self) -> int:
+        return len(self.features.dense) + len(self.model.target_matches)
+
+    def tables(self) -> list[EmbeddingBagConfig]:
+        """A table per entry that owns one, looked up by its own feature and by those sharing it."""
+        return embedding_configs(self.features)
+
+    def embedding_bag_collection(self) -> EmbeddingBagCollection:
+        return EmbeddingBagCollection(tables=self.tables(), device=self.table_device)
+
+
+Factory = Callable[[ModelSpec], nn.Module]
+
+
+def embedding_configs(features: FeaturesConfig) -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name=t.name,
+            feature_names=[t.name, *(f.name for f in features.tables if f.shares_table_with == t.name)],
+            num_embeddings=t.num_embeddings,
+            embedding_dim=t.embedding_dim,
+            pooling=_POOLING[t.pooling],
+        )
+        for t in features.owned_tables()
+    ]
+
+
+def table_weights(module: nn.Module) -> dict[str, str]:
+    """Each table's weight, by table name: its parameter's name in ``module``'s state dict."""
+    weights: dict[str, str] = {}
+    for path, collection in module.named_modules():
+        prefix = f"{path}." if path else ""
+        if isinstance(collection, EmbeddingBagCollection):
+            weights |= {c.name: f"{prefix}embedding_bags.{c.name}.weight" for c in collection.embedding_bag_configs()}
+    return weights
+
+
+class ModelInterfaceError(ConfigError):
+    """A model that breaks the interface; the message says what is missing."""
+
+
+def check_tables(module: nn.Module, features: FeaturesConfig, where: str) -> None:
+    """Refuses ``module`` unless every table of ``features`` is in one of its collections."""
+    found = table_weights(module)
+    missing = [t.name for t in features.owned_tables() if t.name not in found]
+    if missing:
+        raise ModelInterfaceError(
+            f"{where}: the model has no tables for {missing} (found {sorted(found) or 'no tables'}); build them "
+            f"in an EmbeddingBagCollection from spec.tables() on spec.table_device (spec.embedding_bag_collection())"
+        )
+
+
+def check_logits(logits: object, batch: int, tasks: int, where: str) -> None:
+    """Refuses a forward's output unless it is [batch, tasks]."""
+    shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+    if shape != (batch, tasks):
+        raise ModelInterfaceError(
+            f"{where}: forward returned {shape} for a batch of {batch} events and {tasks} task(s); it must return "
+            f"logits [batch, tasks] = ({batch}, {tasks}), one column per task in model.tasks' order"
+        )
