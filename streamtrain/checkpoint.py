@@ -154,6 +154,8 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
                 "field": t.field,
                 "field_kind": field_kind(schema, t.field),
                 "id_mapping": t.id_mapping,
+                # the id map's layout in the snapshot: a managed table restores only with the same buckets
+                **({"buckets": t.id_buckets()} if t.id_mapping == "managed" else {}),
                 # only when set, so that fingerprints written before sharing existed still match
                 **({"shares_table_with": t.shares_table_with} if t.shares_table_with else {}),
             }
@@ -852,11 +854,15 @@ class Checkpointer:
 
 def _whole_id_maps(full: dict[str, Any], matched: dict[str, Any]) -> dict[str, Any]:
     """The managed tables' id maps a partial restore can load: those the snapshot holds whole
-    (every array, at this table's size), with the id space's step; none if it holds none."""
+    (every bucket this rank owns, each with every array at its size), with the id space's step;
+    none if it holds none."""
     whole = {
-        name: tables
-        for name, tables in matched.items()
-        if name != "step" and isinstance(tables, dict) and set(tables) == set(full[name])
+        name: buckets
+        for name, buckets in matched.items()
+        if name != "step"
+        and isinstance(buckets, dict)
+        and set(buckets) == set(full[name])
+        and all(set(buckets[b]) == set(full[name][b]) for b in buckets)
     }
     for name in sorted(set(full) - {"step"} - set(whole)):
         log.warning("partial restore: the snapshot holds no usable id map for table %s; it starts empty", name)
