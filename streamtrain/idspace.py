@@ -620,6 +620,18 @@ class IdSpace:
         # one far-future event (microseconds in a millisecond field) would make every row stale: the
         # worker counts the clamped events (streamtrain_event_times_clamped_total)
         newest = min(int(batch.event_time_ms.max()), self.features.event_time_bound_ms()) if batch.size else 0
+        per_key.update(self.map_step(own, newest))
+        values = torch.cat(list(per_key.values()))  # in the KJT's key order, as split
+        if features.values().is_pinned():  # so the pipeline's copy to the GPU stays asynchronous
+            values = values.pin_memory()
+        translated = KeyedJaggedTensor(keys=features.keys(), values=values.to(device), lengths=features.lengths())
+        if self.metrics:
+            self.metrics.step_seconds.observe(time.perf_counter() - started)
+        return replace(batch, sparse_features=translated)
+
+    def map_step(self, own: dict[str, torch.Tensor], newest: int) -> dict[str, torch.Tensor]:
+        """Map one step: ``own``, this rank's raw ids per managed table, whose newest event is at
+        ``newest``; their rows, in order. The step joins those in flight."""
         if self.world_size == 1:
             steps = self.mapping.update(own, newest)
             rows = {name: step.rows for name, step in steps.items()}
@@ -632,15 +644,8 @@ class IdSpace:
         self.in_flight.append(mapped)
         self.to_reset.append(mapped)
         for name, step in steps.items():
-            per_key[name] = rows[name]
             self._count(name, step, rows[name])
-        values = torch.cat(list(per_key.values()))  # in the KJT's key order, as split
-        if features.values().is_pinned():  # so the pipeline's copy to the GPU stays asynchronous
-            values = values.pin_memory()
-        translated = KeyedJaggedTensor(keys=features.keys(), values=values.to(device), lengths=features.lengths())
-        if self.metrics:
-            self.metrics.step_seconds.observe(time.perf_counter() - started)
-        return replace(batch, sparse_features=translated)
+        return rows
 
     def before_forward(self) -> None:
         """The next batch's forward pass starts: re-initialise the rows its step gave away."""

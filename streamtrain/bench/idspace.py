@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streamtrain.bench.common import machine
+from streamtrain.bench.idspace_scale import lines as scale_lines
+from streamtrain.bench.idspace_scale import scale_leg
 
 if TYPE_CHECKING:
     from streamtrain.config import WorkerConfig
@@ -80,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MANAGED,
         help=f"YAML merged into each managed table's section: its eviction and admission (default {DEFAULT_MANAGED!r})",
     )
+    parser.add_argument(
+        "--scale-rows", type=int, default=1_000_000, help="the scale leg's managed table rows (default 1,000,000)"
+    )
+    parser.add_argument(
+        "--scale-ids", type=int, default=65_536, help="the scale leg's global ids a step (default 65,536)"
+    )
+    parser.add_argument("--scale-steps", type=int, default=30, help="the scale leg's steps (default 30)")
 
 
 @dataclass(frozen=True)
@@ -89,16 +98,20 @@ class Sizes:
     rows: int
     reference_rows: int
     drift: Drift
+    scale: tuple[int, int, int] = (1_000_000, 65_536, 30)  # the scale leg's rows, global ids a step, steps
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     from streamtrain.dev.drift import Drift
 
     if args.quick:
-        sizes = Sizes(20_000, 4_000, 300, 3_000, Drift(users=300, ads=300, lifetime=1_700, id_effect=args.id_effect))
+        drift = Drift(users=300, ads=300, lifetime=1_700, id_effect=args.id_effect)
+        sizes = Sizes(20_000, 4_000, 300, 3_000, drift, (100_000, 8_192, 8))
     else:
         drift = Drift(users=args.users, ads=args.ads, lifetime=args.lifetime, id_effect=args.id_effect)
-        sizes = Sizes(args.events, args.window, args.rows, args.reference_rows or REFERENCE_FACTOR * args.rows, drift)
+        reference = args.reference_rows or REFERENCE_FACTOR * args.rows
+        scale = (args.scale_rows, args.scale_ids, args.scale_steps)
+        sizes = Sizes(args.events, args.window, args.rows, reference, drift, scale)
     return bench_idspace(args.config, sizes, args.tables, args.managed, args.seed, progress)
 
 
@@ -184,6 +197,9 @@ def bench_idspace(
         "throughput_ratio": rates["managed"] / rates["hash"],
         "goals": _goals(aucs, rates, stream.distinct, sizes.rows),
     }
+    scale_rows, scale_ids, scale_steps = sizes.scale
+    scale_features = leg_config(raw, tables[:1], "managed", scale_rows, managed_section).features
+    result["scale"] = scale_leg(scale_features, scale_ids, scale_steps, seed, progress)
     return result
 
 
@@ -415,4 +431,4 @@ def table(result: dict) -> str:
         f"  throughput managed / hash {result['throughput_ratio']:.3f}, goal >= {goals['throughput_ratio']}: "
         f"{'met' if goals['throughput_met'] else 'missed'}"
     )
-    return "\n".join(lines)
+    return "\n".join(lines + scale_lines(result["scale"]))
