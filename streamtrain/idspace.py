@@ -280,14 +280,17 @@ class TableIds:
         return np.searchsorted(self.bucket_starts, rows, side="right") - 1
 
     # --- the update -----------------------------------------------------------------------
-    def update(self, ids: torch.Tensor, step: int, now_ms: int) -> TableStep:
-        """Map ``ids`` (all ranks' ids of step ``step``, whose newest event is at ``now_ms``),
-        admitting and evicting as configured."""
-        return self.apply(self.decide(ids, step, now_ms))
+    def update(self, ids: torch.Tensor, step: int, now_ms: int, counts: torch.Tensor | None = None) -> TableStep:
+        """Map ``ids`` (all ranks' ids of step ``step`` in the owned buckets, whose newest event is
+        at ``now_ms``; each seen ``counts`` times, once by default), admitting and evicting as
+        configured."""
+        return self.apply(self.decide(ids, step, now_ms, counts))
 
-    def decide(self, ids: torch.Tensor, step: int, now_ms: int) -> TableStep:
+    def decide(self, ids: torch.Tensor, step: int, now_ms: int, counts: torch.Tensor | None = None) -> TableStep:
         """What mapping ``ids`` at ``step`` does, without doing it."""
         unique_t, inverse, counts_t = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
+        if counts is not None:  # ids deduplicated by their senders: several senders may send one id
+            counts_t = torch.zeros_like(counts_t).index_add_(0, inverse, counts)
         unique, counts = unique_t.numpy(), counts_t.numpy()
         local_buckets = self._local_buckets(unique)
         rows = self.index.find(unique)
@@ -393,10 +396,10 @@ class TableIds:
         count = len(self.buckets)
         wanted = np.bincount(local_buckets, minlength=count)
         free = np.flatnonzero(~self.arrays.in_use)
-        free_buckets = self._bucket_of_rows(free)
-        free_counts = np.bincount(free_buckets, minlength=count)
-        nth_free = np.arange(free.size) - (np.cumsum(free_counts) - free_counts)[free_buckets]
-        taken = nth_free < wanted[free_buckets]
+        free_firsts = np.searchsorted(free, self.bucket_starts)  # free is ascending: each bucket's run in it
+        free_counts = np.diff(free_firsts)
+        free_buckets = np.repeat(np.arange(count), free_counts)
+        taken = np.arange(free.size) - np.repeat(free_firsts[:-1], free_counts) < np.repeat(wanted, free_counts)
         sizes = np.diff(self.bucket_starts)
         seen_counts = np.bincount(self._bucket_of_rows(seen), minlength=count)
         short = np.maximum(np.minimum(wanted - free_counts, sizes - free_counts - seen_counts), 0)
@@ -540,10 +543,16 @@ class IdMapping:
         self.tables = {t.name: TableIds(t, owned_buckets(t, rank, world_size)) for t in tables}
         self.step = 0
 
-    def update(self, ids: dict[str, torch.Tensor], now_ms: int) -> dict[str, TableStep]:
-        """Map each table's ``ids`` of the step: all ranks' ids of the owned buckets."""
+    def update(
+        self, ids: dict[str, torch.Tensor], now_ms: int, counts: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, TableStep]:
+        """Map each table's ``ids`` of the step: all ranks' ids of the owned buckets, each seen
+        ``counts`` times (once by default)."""
         self.step += 1
-        return {name: table.update(ids[name], self.step, now_ms) for name, table in self.tables.items()}
+        return {
+            name: table.update(ids[name], self.step, now_ms, counts[name] if counts else None)
+            for name, table in self.tables.items()
+        }
 
     def state_dict(self, undone: Sequence[dict[str, TableStep]] = ()) -> dict[str, object]:
         """The map, or the map before ``undone``, its newest steps in order."""
@@ -638,7 +647,7 @@ class IdSpace:
             fresh = {name: step.assigned.sort().values for name, step in steps.items()}
         else:
             exchange = _Exchange(self, own, newest)
-            steps = self.mapping.update(exchange.received, exchange.now_ms)
+            steps = self.mapping.update(exchange.received, exchange.now_ms, exchange.counts)
             rows, fresh = exchange.back(steps)
         mapped = _Mapped(steps, self.mapping.step, fresh)
         self.in_flight.append(mapped)
@@ -726,35 +735,47 @@ class IdSpace:
 class _Exchange:
     """One step's ids sent to the ranks that own their buckets, and their rows sent back, over
     two all-to-alls (sizes, then ids) on the way out and two collectives (sizes, then rows with
-    every rank's fresh rows) on the way back. Per table and rank pair, ids keep their order."""
+    every rank's fresh rows) on the way back. A rank sends each distinct id once, with how often
+    its events hold it, so a popular id costs its owner no more than a rare one."""
 
     def __init__(self, id_space: IdSpace, own: dict[str, torch.Tensor], newest: int):
         self.group, world, self.names = id_space.group, id_space.world_size, list(own)
         self.world = world
-        self.order: dict[str, np.ndarray] = {}
+        self.order: dict[str, torch.Tensor] = {}  # per table: distinct ids by owner, as positions
+        self.inverse: dict[str, torch.Tensor] = {}  # per table: each own id's distinct id
         header = torch.zeros(world, 1 + len(own), dtype=torch.int64)  # per owner: newest, ids per table
         header[:, 0] = newest
         outgoing = []
         for at, (name, values) in enumerate(own.items()):
-            ids = values.numpy()
+            distinct, self.inverse[name], counts = torch.unique(values, return_inverse=True, return_counts=True)
             table = id_space.mapping.tables[name]
-            owners = id_space.owners[name][buckets_of(ids, table.bucket_count)]
-            self.order[name] = np.argsort(owners, kind="stable")
+            owners = id_space.owners[name][buckets_of(distinct.numpy(), table.bucket_count)]
+            self.order[name] = torch.from_numpy(np.argsort(owners, kind="stable"))
             header[:, 1 + at] = torch.from_numpy(np.bincount(owners, minlength=world))
-            outgoing.append(values[torch.from_numpy(self.order[name])])
+            outgoing.append((distinct[self.order[name]], counts[self.order[name]]))
         self.sent = header[:, 1:]  # [owner, table]
         incoming = torch.empty_like(header)
         dist.all_to_all_single(incoming, header, group=self.group)
         self.now_ms = int(incoming[:, 0].max())
         self.got = incoming[:, 1:]  # [sender, table]
-        # to each owner, its ids of every table in turn
-        per_owner = [values.split(self.sent[:, at].tolist()) for at, values in enumerate(outgoing)]
-        send = torch.cat([per_owner[at][owner] for owner in range(world) for at in range(len(own))])
-        received = torch.empty(int(self.got.sum()), dtype=torch.int64)
-        dist.all_to_all_single(received, send, self.got.sum(1).tolist(), self.sent.sum(1).tolist(), group=self.group)
-        pieces = received.split(self.got.reshape(-1).tolist())  # [sender][table]
+        # to each owner, for every table in turn, its distinct ids then their counts
+        per_owner = [
+            (ids.split(self.sent[:, at].tolist()), n.split(self.sent[:, at].tolist()))
+            for at, (ids, n) in enumerate(outgoing)
+        ]
+        send = torch.cat([piece for owner in range(world) for ids, n in per_owner for piece in (ids[owner], n[owner])])
+        received = torch.empty(2 * int(self.got.sum()), dtype=torch.int64)
+        out_sizes, in_sizes = (2 * self.got.sum(1)).tolist(), (2 * self.sent.sum(1)).tolist()
+        dist.all_to_all_single(received, send, out_sizes, in_sizes, group=self.group)
+        pieces = received.split([size for n in self.got.reshape(-1).tolist() for size in (n, n)])
+        # pieces: per sender, per table, ids then counts
+        tables = len(own)
         self.received = {
-            name: torch.cat([pieces[sender * len(own) + at] for sender in range(world)])
+            name: torch.cat([pieces[2 * (sender * tables + at)] for sender in range(world)])
+            for at, name in enumerate(self.names)
+        }
+        self.counts = {
+            name: torch.cat([pieces[2 * (sender * tables + at) + 1] for sender in range(world)])
             for at, name in enumerate(self.names)
         }
 
@@ -782,8 +803,9 @@ class _Exchange:
         rows, fresh = {}, {}
         for at, name in enumerate(self.names):
             in_order = torch.cat([part[at] for part in parts])
-            rows[name] = torch.empty_like(in_order)
-            rows[name][torch.from_numpy(self.order[name])] = in_order
+            distinct_rows = torch.empty_like(in_order)
+            distinct_rows[self.order[name]] = in_order
+            rows[name] = distinct_rows[self.inverse[name]]
             fresh[name] = torch.cat([part[tables + at] for part in parts]).sort().values
         return rows, fresh
 
