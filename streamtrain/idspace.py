@@ -8,7 +8,7 @@ Why a mapping of our own rather than TorchRec's managed collision (``MCHManagedC
 decided on this stack (torchrec 1.8, fbgemm-gpu-cpu 1.8, CPU, gloo; see NOTES.md):
   - MCH needs row-wise sharding, which CPU does not offer (a hand-made plan only), and a table
     size divisible by the world size. Ours works with whatever sharding the planner picks, at any
-    world size, and a snapshot restores at another one, since the mapping is replicated.
+    world size, and a snapshot restores at another one, since its buckets do not depend on it.
   - MCH's eviction resets rows through ``fbgemm::reset_weight_momentum``, which has no CPU kernel
     (row-wise Adagrad crashes; Adagrad and SGD keep the old state). A reset of our own was needed
     either way; ours is ``RowResetter``.
@@ -18,17 +18,25 @@ decided on this stack (torchrec 1.8, fbgemm-gpu-cpu 1.8, CPU, gloo; see NOTES.md
   - Exactly-once needs the mapping of the trained batches at each cut, while the pipeline has
     already mapped up to two batches ahead; a mapping we own can take those steps back (below).
 
+How it scales: a table's map is split into a fixed number of virtual buckets (``buckets`` in its
+config), each a fixed range of rows, an id's bucket fixed by a salted hash of it. Each rank owns a
+contiguous run of buckets (so its rows are one range, indexed by one offset) and holds and maps
+only their ids: every step a rank sends each distinct id of its batch, with its count, to the
+bucket's owner and gets the row back (``_Exchange``), so the map's memory and work per rank fall as
+1 / world size. Buckets rather than ranks own rows, so the map never depends on the world size: a
+snapshot stores it per bucket, and a restore at another world size moves buckets whole.
+
 How it stays right:
-  - **Rank-consistent.** Every step, the ranks all-gather the raw ids of their batches (and the
-    step's newest event time) and each applies the same deterministic update (``IdMapping``) to
-    the same global ids, so every rank holds the same map, and an id gets the same row whichever
-    rank reads it.
+  - **Rank-consistent.** A bucket's map is updated by the ids of that bucket alone, from every
+    rank, with the step's newest event time over all ranks, deterministically (``TableIds``): the
+    map is the one a single process builds from the same global steps, whichever rank owns a
+    bucket, and an id gets one row whichever rank reads it.
   - **Collision-free.** A row holds one live id. An id not admitted (yet), or one that found no
     row because the step alone held more new ids than the table has rows, reads the table's last
     row, the *unknown row*, which trains like any row: the embedding of "an id we do not know".
   - **Fresh rows.** A row given to a new id is re-initialised (uniform in +-sqrt(1/rows), as
     TorchRec initialises tables) and its optimizer state zeroed, on whichever ranks hold its
-    shards. This happens just before the forward pass of the batch that first uses it, not when
+    shards: the owners send every rank the rows they gave, with the rows back. This happens just before the forward pass of the batch that first uses it, not when
     the batch is mapped: the batches already in the pipeline may still train the row's old id.
   - **Exactly-once.** The pipeline maps batches ahead of training, so the map is up to two steps
     ahead of the weights. Each step records what it overwrote (its ``Undo``: the rows it wrote
@@ -36,13 +44,13 @@ How it stays right:
     the map at the cut, which snapshots and deltas read, is a copy of the arrays with those
     steps undone, made only when they ask. A restore maps the re-read batches again from it.
 
-Memory: one copy of the map, made at full size. Per row, the raw id (int64) and whether it is in
+Memory: each rank's buckets' share of the map, made at full size. Per row, the raw id (int64) and whether it is in
 use (bool), plus only what the policy reads: the step last seen (uint32, as an age modulo 2^32) for
 lru and ttl, the event time last seen (int64) for ttl in seconds, a saturating int32 count for lfu;
 and an open-addressing index (``streamtrain.idindex``: an int16 or int32 slot per 0.7 rows, the key
 read from the ids) in place of a Python dict. lru: 8 + 1 + 4 + 2.9 = 15.9 bytes per row below 2^15
 rows, 18.7 beyond. ``min_count`` adds a uint16 sketch of two hash rows at least twice the rows wide
-(8 to 16 bytes per row). Per step, the lookup is one numba loop over the step's distinct ids, the
+(8 to 16 bytes per row, at least 1,024 cells a bucket). Per step, the lookup is one numba loop over the step's distinct ids, the
 rest vectorised numpy, and a victim search over the rows (``argpartition``) only when the table is
 full.
 """
@@ -395,11 +403,14 @@ class TableIds:
             return _NO_ROWS, _NO_ROWS
         count = len(self.buckets)
         wanted = np.bincount(local_buckets, minlength=count)
-        free = np.flatnonzero(~self.arrays.in_use)
+        free = np.flatnonzero(~self.arrays.in_use) if self.occupied < self.capacity else _NO_ROWS
         free_firsts = np.searchsorted(free, self.bucket_starts)  # free is ascending: each bucket's run in it
         free_counts = np.diff(free_firsts)
-        free_buckets = np.repeat(np.arange(count), free_counts)
-        taken = np.arange(free.size) - np.repeat(free_firsts[:-1], free_counts) < np.repeat(wanted, free_counts)
+        # each bucket's lowest free rows, as many as it wants: work in the rows taken, not the free ones
+        take = np.minimum(free_counts, wanted)
+        offsets = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)
+        taken_free = free[np.repeat(free_firsts[:-1], take) + offsets]
+        taken_buckets = np.repeat(np.arange(count), take)
         sizes = np.diff(self.bucket_starts)
         seen_counts = np.bincount(self._bucket_of_rows(seen), minlength=count)
         short = np.maximum(np.minimum(wanted - free_counts, sizes - free_counts - seen_counts), 0)
@@ -423,8 +434,8 @@ class TableIds:
                 chosen.append(picked[np.argsort(part[picked])] + first)
             victims = np.concatenate(chosen)
         # each bucket's rows to give, free then victims, and each admitted id's place in its bucket
-        available = np.concatenate((free[taken], victims))
-        available_buckets = np.concatenate((free_buckets[taken], np.repeat(needy, short[needy])))
+        available = np.concatenate((taken_free, victims))
+        available_buckets = np.concatenate((taken_buckets, np.repeat(needy, short[needy])))
         order = np.argsort(available_buckets, kind="stable")
         available = available[order]
         available_counts = np.bincount(available_buckets, minlength=count)

@@ -106,7 +106,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
 
     if args.quick:
         drift = Drift(users=300, ads=300, lifetime=1_700, id_effect=args.id_effect)
-        sizes = Sizes(20_000, 4_000, 300, 3_000, drift, (100_000, 8_192, 8))
+        sizes = Sizes(20_000, 4_000, 300, 3_000, drift, (20_000, 2_048, 6))
     else:
         drift = Drift(users=args.users, ads=args.ads, lifetime=args.lifetime, id_effect=args.id_effect)
         reference = args.reference_rows or REFERENCE_FACTOR * args.rows
