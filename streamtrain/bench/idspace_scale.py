@@ -105,9 +105,11 @@ def scale_leg(features: object, ids_per_step: int, steps: int, seed: int, progre
     memory_ratio = max(r["memory_bytes"] / (total / int(w)) for w, ranks in per_world.items() for r in ranks)
     ids_ratio = max(r["ids_per_step"] / (ids_per_step / int(w)) for w, ranks in per_world.items() for r in ranks)
     # the busiest rank over the mean: how evenly the buckets share the distinct ids
-    balance = max(
-        max(r["ids_per_step"] for r in ranks) / np.mean([r["ids_per_step"] for r in ranks])
-        for ranks in per_world.values()
+    balance = float(
+        max(
+            max(r["ids_per_step"] for r in ranks) / np.mean([r["ids_per_step"] for r in ranks])
+            for ranks in per_world.values()
+        )
     )
     step_seconds = {w: max(r["seconds_per_step"] for r in ranks) for w, ranks in per_world.items()}
     cores = os.cpu_count() or 1
