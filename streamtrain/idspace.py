@@ -36,8 +36,9 @@ How it stays right:
     row, the *unknown row*, which trains like any row: the embedding of "an id we do not know".
   - **Fresh rows.** A row given to a new id is re-initialised (uniform in +-sqrt(1/rows), as
     TorchRec initialises tables) and its optimizer state zeroed, on whichever ranks hold its
-    shards: the owners send every rank the rows they gave, with the rows back. This happens just before the forward pass of the batch that first uses it, not when
-    the batch is mapped: the batches already in the pipeline may still train the row's old id.
+    shards: the owners send every rank the rows they gave, with the rows back. This happens just
+    before the forward pass of the batch that first uses it, not when the batch is mapped: the
+    batches already in the pipeline may still train the row's old id.
   - **Exactly-once.** The pipeline maps batches ahead of training, so the map is up to two steps
     ahead of the weights. Each step records what it overwrote (its ``Undo``: the rows it wrote
     and their old values, the low bits a halving dropped), held while its batch is in flight;
@@ -50,9 +51,9 @@ lru and ttl, the event time last seen (int64) for ttl in seconds, a saturating i
 and an open-addressing index (``streamtrain.idindex``: an int16 or int32 slot per 0.7 rows, the key
 read from the ids) in place of a Python dict. lru: 8 + 1 + 4 + 2.9 = 15.9 bytes per row below 2^15
 rows, 18.7 beyond. ``min_count`` adds a uint16 sketch of two hash rows at least twice the rows wide
-(8 to 16 bytes per row, at least 1,024 cells a bucket). Per step, the lookup is one numba loop over the step's distinct ids, the
-rest vectorised numpy, and a victim search over the rows (``argpartition``) only when the table is
-full.
+(8 to 16 bytes per row, at least 1,024 cells a bucket). Per step, the lookup is one numba loop over
+the step's distinct ids, the rest vectorised numpy, and a victim search over the rows of each bucket
+that needs one (``argpartition``) only when it is full.
 """
 
 from __future__ import annotations
@@ -655,7 +656,7 @@ class IdSpace:
         if self.world_size == 1:
             steps = self.mapping.update(own, newest)
             rows = {name: step.rows for name, step in steps.items()}
-            fresh = {name: step.assigned.sort().values for name, step in steps.items()}
+            fresh = {name: torch.from_numpy(np.sort(step.assigned.numpy())) for name, step in steps.items()}
         else:
             exchange = _Exchange(self, own, newest)
             steps = self.mapping.update(exchange.received, exchange.now_ms, exchange.counts)
@@ -817,7 +818,7 @@ class _Exchange:
             distinct_rows = torch.empty_like(in_order)
             distinct_rows[self.order[name]] = in_order
             rows[name] = distinct_rows[self.inverse[name]]
-            fresh[name] = torch.cat([part[tables + at] for part in parts]).sort().values
+            fresh[name] = torch.from_numpy(np.sort(torch.cat([part[tables + at] for part in parts]).numpy()))
         return rows, fresh
 
 
