@@ -833,6 +833,21 @@ def scatter_rows(rows: I64, row_table: I32, first: I64, stop: I64, status: I8, o
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def partition_spans(partitions: I64, offsets: I64, kept: npt.NDArray[np.bool_]) -> tuple[I64, I64]:
+    """Per partition number p: the kept events, and the offset after the last event (-1: none of
+    p's). One pass; four numpy passes per partition cost a batch as much as a tenth of its decoding."""
+    count = 0
+    for e in range(partitions.shape[0]):
+        count = max(count, partitions[e] + 1)
+    kept_events, next_offset = np.zeros(count, np.int64), np.full(count, -1, np.int64)
+    for e in range(partitions.shape[0]):
+        p = partitions[e]
+        kept_events[p] += kept[e]
+        next_offset[p] = max(next_offset[p], offsets[e] + 1)
+    return kept_events, next_offset
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def parse_frames(buf: U8, starts: I64, ends: I64, status: I8, schema_ids: I64) -> None:
     """Confluent framing: magic byte 0 and a 4-byte big-endian schema id, then the body."""
     for e in range(starts.shape[0]):

@@ -72,7 +72,7 @@ from streamtrain.avro_program import REASONS, fnv1a64
 from streamtrain.config import FeaturesConfig, TableConfig, TaskConfig, default_tasks
 from streamtrain.registry import BadWriterSchema
 from streamtrain.schema import field_schema, load_schema, without_logical_types
-from streamtrain.source import EventBatch, RawEvent, partitions_in
+from streamtrain.source import EventBatch, RawEvent
 from streamtrain.threads import DECODE, name_this_thread, yield_wakeups_to_the_trainer
 
 log = logging.getLogger(__name__)
@@ -718,12 +718,10 @@ def _spans(events: EventBatch, kept: np.ndarray) -> dict[int, PartitionSpan]:
 
     Rejected events move the position too: they were consumed, and went to the dead-letter path.
     One Python step per partition, not per event."""
-    partitions, offsets = events.partitions, events.offsets
-    spans = {}
-    for p in partitions_in(partitions):
-        mine = partitions == p
-        spans[p] = PartitionSpan(int((mine & kept).sum()), int(offsets[mine].max()) + 1)
-    return spans
+    kept_events, next_offset = ap.partition_spans(events.partitions, events.offsets, kept)
+    return {
+        p: PartitionSpan(int(kept_events[p]), int(next_offset[p])) for p in np.flatnonzero(next_offset >= 0).tolist()
+    }
 
 
 def _get(record: Any, path: tuple[str, ...]) -> Any:
