@@ -3,14 +3,17 @@ threads (batching.decode_threads), in events/s per rank.
 
 Leg A, the decode stage alone: batches of pre-encoded payloads of the synthetic click stream, held
 in memory as a fetch delivers them, decoded at each thread count in alternating rounds; wall-clock
-rates, and ``scaling_2_threads``, the rate at 2 threads over the rate at 1.
+rates, and ``scaling_2_threads``, the median over rounds of the rate at 2 threads over the rate at 1.
 
 Leg B, the whole path: a local broker with a backlog, read from its start by the worker's own
 source and prefetch thread (fetch queue, framing, decode, KJT, pinning when the worker would train
-on CUDA) at each thread count in turn, timed from the first batch handed over to the last. Its rate
-per decode thread, and the split of the one-thread run's time between decoding and the rest (the
-fetch, which stays on the prefetch thread), project a host with more cores: at ``n`` decode threads
-the serial rest is paid in full and the decoding divided by ``n``.
+on CUDA) at each thread count in turn, timed from the first batch handed over to the last. Beside
+its wall-clock rate, the CPU the rank's data-path threads used per event (``/proc``): the prefetch
+thread, the decode helpers and librdkafka's threads. A host with more cores and its broker
+elsewhere is projected from that CPU, not from this host's wall clock, which waits on a broker
+sharing the cores: at ``n`` decode threads the prefetch thread pays its serial rest in full and the
+decoding divided by ``n``, and librdkafka's busiest thread is a bound of its
+own.
 """
 
 from __future__ import annotations
@@ -21,8 +24,11 @@ import statistics
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from streamtrain.bench.common import SCHEMA, machine, worker_device
+from streamtrain.threads import DECODE, PREFETCH
 
 GOAL_SCALING = 1.8
 GOAL_PROJECTED = 4_000_000
@@ -122,7 +128,11 @@ def bench_whole_path(
     device: str,
     progress: Callable[[str], None],
 ) -> dict:
-    """Leg B: a broker's backlog through the worker's source and prefetcher at each thread count."""
+    """Leg B: a broker's backlog through the worker's source and prefetcher at each thread count.
+
+    Beside the wall-clock rate, the CPU each of the rank's data-path threads spent (``/proc``), per
+    event: what a host with more cores, and its broker elsewhere, can project from. On this host
+    the rate waits on a broker sharing the cores; the CPU is the rank's own work."""
     from streamtrain.dev.kafka import KafkaBroker
     from streamtrain.dev.produce import produce
 
@@ -130,35 +140,84 @@ def bench_whole_path(
         topic = "datapath"
         progress(f"leg B: producing a backlog of {events:,} events")
         produce(broker.bootstrap_servers, topic, events, partitions=4, seed=7, schema_path=SCHEMA)
-        runs: dict[int, list[tuple[int, float, float]]] = {n: [] for n in threads}
+        runs: dict[int, list[BacklogRead]] = {n: [] for n in threads}
         for round_ in range(rounds):
             for n in threads:
-                read, seconds, decoding = read_backlog(config, broker.bootstrap_servers, topic, n, batch_size, device)
-                runs[n].append((read, seconds, decoding))
-                progress(f"leg B round {round_ + 1}/{rounds}: {n} thread(s) {read / seconds:>12,.0f} events/s")
-    rate = {str(n): sum(r for r, _s, _d in legs) / sum(s for _r, s, _d in legs) for n, legs in runs.items()}
-    # The one-thread runs' time per event, split into decoding and the rest.
-    events_read = sum(leg[0] for leg in runs[1])
-    seconds, decoding = sum(leg[1] for leg in runs[1]), sum(leg[2] for leg in runs[1])
-    decode_per_event, rest_per_event = decoding / events_read, (seconds - decoding) / events_read
+                read = read_backlog(config, broker.bootstrap_servers, topic, n, batch_size, device)
+                runs[n].append(read)
+                progress(
+                    f"leg B round {round_ + 1}/{rounds}: {n} thread(s) {read.events / read.seconds:>12,.0f} events/s"
+                )
+    totals = {n: BacklogRead.summed(legs) for n, legs in runs.items()}
+    one = totals[1]
+    decoding = one.decoding / one.events
+    # The prefetch thread's own work besides decoding: the fetch from librdkafka's queue, the
+    # payloads' copy, the KJT and the hand-over. It stays on that one thread at any decode_threads.
+    serial = (one.cpu[PREFETCH] - one.decoding) / one.events
+    # librdkafka fetches on one thread per broker: a bound of its own, beside the prefetch thread.
+    fetch = one.busiest_librdkafka / one.events
     spare = PROJECTED_CORES - 2  # decode_threads' default for a CUDA rank alone on the host
     return {
         "events": events,
         "device": device,
-        "events_per_second_by_threads": rate,
-        "decode_seconds_per_event": decode_per_event,
-        "rest_seconds_per_event": rest_per_event,
+        "events_per_second_by_threads": {str(n): t.events / t.seconds for n, t in totals.items()},
+        "events_per_cpu_second_by_threads": {str(n): t.events / sum(t.cpu.values()) for n, t in totals.items()},
+        "cpu_seconds_per_event_by_threads": {
+            str(n): {group: cpu / t.events for group, cpu in t.cpu.items()} for n, t in totals.items()
+        },
+        "decode_seconds_per_event": decoding,
+        "rest_seconds_per_event": one.seconds / one.events - decoding,
+        "serial_cpu_seconds_per_event": serial,
+        "librdkafka_thread_cpu_seconds_per_event": fetch,
         "projected_decode_threads": spare,
-        "projected_events_per_second": 1 / (rest_per_event + decode_per_event / spare),
-        "ceiling_events_per_second": 1 / rest_per_event,
+        "projected_events_per_second": 1 / max(serial + decoding / spare, fetch),
+        "ceiling_events_per_second": 1 / max(serial, fetch),
     }
 
 
-def read_backlog(
-    config, bootstrap_servers: str, topic: str, threads: int, batch_size: int, device: str
-) -> tuple[int, float, float]:
-    """(events handed over after the first batch, seconds from the first batch to the last,
-    seconds the prefetch thread spent decoding them) for one read of the whole backlog."""
+@dataclass
+class BacklogRead:
+    """One read of the backlog, timed from the first batch handed over to the last."""
+
+    events: int  # handed over after the first batch
+    seconds: float
+    cpu: dict[str, float]  # CPU-seconds by thread group (DATA_PATH_GROUPS), in the same window
+    decoding: float  # CPU-seconds of the prefetch thread's in its decoder calls
+    busiest_librdkafka: float  # CPU-seconds of librdkafka's busiest thread (its broker thread)
+
+    @staticmethod
+    def summed(reads: list[BacklogRead]) -> BacklogRead:
+        return BacklogRead(
+            sum(r.events for r in reads),
+            sum(r.seconds for r in reads),
+            {group: sum(r.cpu[group] for r in reads) for group in DATA_PATH_GROUPS},
+            sum(r.decoding for r in reads),
+            sum(r.busiest_librdkafka for r in reads),
+        )
+
+
+# The rank's data-path threads by kernel name (streamtrain.threads; librdkafka's are rdk:*).
+DATA_PATH_GROUPS = (PREFETCH, DECODE, "librdkafka")
+
+
+def _cpu_by_thread() -> dict[int, tuple[str, float]]:
+    """{tid: (group, CPU-seconds so far)} of this process's data-path threads, to the nanosecond
+    (``schedstat``'s run time: ``stat``'s 10-ms ticks would round a short leg's helpers to 0)."""
+    groups = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+            ran_ns = int(Path(f"/proc/self/task/{tid}/schedstat").read_text().split()[0])
+        except OSError:  # the thread ended between the listing and the read
+            continue
+        group = "librdkafka" if name.startswith("rdk:") else name
+        if group in DATA_PATH_GROUPS:
+            groups[int(tid)] = (group, ran_ns / 1e9)
+    return groups
+
+
+def read_backlog(config, bootstrap_servers: str, topic: str, threads: int, batch_size: int, device: str) -> BacklogRead:
+    """One read of the whole backlog by a fresh source and prefetcher with ``threads`` decode threads."""
     import torch
 
     from streamtrain.batch import Prefetcher
@@ -174,43 +233,66 @@ def read_backlog(
     metrics = WorkerMetrics()
     # The backlog holds no bad event; rank 1, since rank 0 would warn an operator that they are lost.
     rejections = Rejections(config.dead_letter.model_copy(update={"enabled": False}), kafka, metrics, rank=1)
-    decoder = AvroBatchDecoder(config.features, tasks=config.tasks(), threads=threads)
+    decoder = _CpuTimed(AvroBatchDecoder(config.features, tasks=config.tasks(), threads=threads))
     source = KafkaSource(kafka, until_end=True, committed=False)
     prefetcher = Prefetcher(source, decoder, batching, metrics, rejections, device=torch.device(device))
-    decoded = metrics.registry.get_sample_value
     try:
         prefetcher.start()
         first = None
         while first is None:
             first = prefetcher.get(timeout=60)
-        started, decoding_before = time.perf_counter(), decoded("streamtrain_decode_seconds_sum") or 0.0
+        started, cpu_before, decoding_before = time.perf_counter(), _cpu_by_thread(), decoder.cpu
         read = 0
         while (batch := prefetcher.get(timeout=60)) is not None:
             read += batch.size
-        seconds = time.perf_counter() - started
+        seconds, cpu_after, decoding = time.perf_counter() - started, _cpu_by_thread(), decoder.cpu - decoding_before
         if not prefetcher.finished:
             raise RuntimeError("the prefetcher handed nothing over for 60 s before the backlog's end")
-        return read, seconds, (decoded("streamtrain_decode_seconds_sum") or 0.0) - decoding_before
     finally:
         prefetcher.join(timeout=30)
         source.close()
+    # A thread that started inside the window counts from 0; one that ended in it is not seen after.
+    used = {tid: (group, cpu - cpu_before.get(tid, (group, 0.0))[1]) for tid, (group, cpu) in cpu_after.items()}
+    cpu = {group: sum(c for g, c in used.values() if g == group) for group in DATA_PATH_GROUPS}
+    busiest = max((c for g, c in used.values() if g == "librdkafka"), default=0.0)
+    return BacklogRead(read, seconds, cpu, decoding, busiest)
+
+
+class _CpuTimed:
+    """A decoder that counts the CPU its caller's thread (the prefetch thread) spends in it."""
+
+    def __init__(self, decoder):
+        self.decoder, self.cpu = decoder, 0.0
+
+    def decode(self, events):
+        started = time.thread_time()
+        try:
+            return self.decoder.decode(events)
+        finally:
+            self.cpu += time.thread_time() - started
 
 
 def table(result: dict) -> str:
     decode, whole = result["decode_events_per_second_by_threads"], result["events_per_second_by_threads"]
+    per_cpu = result["events_per_cpu_second_by_threads"]
     lines = [
         f"  batches of {result['batch_size']:,}, one rank, no training; whole path on {result['device']}",
-        f"  {'decode threads':<16}{'A: decode stage':>18}{'B: Kafka -> batches':>22}{'B per thread':>16}",
+        f"  {'decode threads':<16}{'A: decode stage':>18}{'B: Kafka -> batches':>22}{'B per thread':>16}"
+        f"{'B per CPU-second':>19}",
     ]
     for n in result["threads"]:
-        lines.append(f"  {n:<16}{decode[str(n)]:>18,.0f}{whole[str(n)]:>22,.0f}{whole[str(n)] / n:>16,.0f}")
+        a, b, c = decode[str(n)], whole[str(n)], per_cpu[str(n)]
+        lines.append(f"  {n:<16}{a:>18,.0f}{b:>22,.0f}{b / n:>16,.0f}{c:>19,.0f}")
+    ns = {key: f"{1e9 * result[key]:,.0f} ns" for key in result if key.endswith("seconds_per_event")}
     lines += [
         f"  decode stage, 2 threads / 1: {result['scaling_2_threads']:.2f}, the median of rounds "
         f"{', '.join(f'{r:.2f}' for r in result['scaling_2_threads_by_round'])} (goal >= {GOAL_SCALING})",
-        f"  one thread, per event: decoding {1e9 * result['decode_seconds_per_event']:,.0f} ns, "
-        f"the rest (fetch, KJT, hand-over) {1e9 * result['rest_seconds_per_event']:,.0f} ns",
-        f"  projected, {PROJECTED_CORES} cores ({result['projected_decode_threads']} decode threads): "
-        f"{result['projected_events_per_second']:,.0f} events/s per rank (goal >= {GOAL_PROJECTED:,}); "
-        f"ceiling of the serial rest {result['ceiling_events_per_second']:,.0f}",
+        f"  one thread, per event: decoding {ns['decode_seconds_per_event']} of CPU; wall-clock rest "
+        f"{ns['rest_seconds_per_event']} (mostly waiting on the broker beside it); CPU of the prefetch "
+        f"thread's serial rest (fetch, copy, KJT, hand-over) {ns['serial_cpu_seconds_per_event']}; "
+        f"librdkafka's busiest thread {ns['librdkafka_thread_cpu_seconds_per_event']}",
+        f"  projected from the CPU, {PROJECTED_CORES} cores ({result['projected_decode_threads']} decode threads, "
+        f"the broker elsewhere): {result['projected_events_per_second']:,.0f} events/s per rank "
+        f"(goal >= {GOAL_PROJECTED:,}); ceiling of the serial threads {result['ceiling_events_per_second']:,.0f}",
     ]
     return "\n".join(lines)
