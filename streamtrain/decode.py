@@ -260,7 +260,7 @@ class AvroBatchDecoder:
         if self.confluent:
             ap.parse_frames(buf, starts, ends, status, schema_ids)
             framed = status == ap.OK
-            for schema_id in np.unique(schema_ids[framed]).tolist():
+            for schema_id in _distinct(schema_ids[framed]):
                 mine = framed & (schema_ids == schema_id)
                 self._assign(self._entry(schema_id), mine, entry, status)
                 if schema_id in self.failures:
@@ -358,6 +358,15 @@ class AvroBatchDecoder:
         stop[slow] = first[slow] + per_event
         values = np.concatenate(part.values) if part.values else np.zeros(0, np.int64)
         return (np.concatenate((rows, values[order])), np.concatenate((row_table, tags[order])), first, stop)
+
+
+def _distinct(ids: np.ndarray) -> list[int]:
+    """The distinct ids, ascending. A stream is written with one schema most of the time, and
+    ``np.unique`` sorts a batch's ids to find that out: 0.95 ms for 32,768 events, on the prefetch
+    thread alone, against 0.08 ms for checking they all equal the first."""
+    if len(ids) and (ids == ids[0]).all():
+        return [int(ids[0])]
+    return np.unique(ids).tolist()
 
 
 # Below this many events a slice costs more in handing over than its thread gains.
