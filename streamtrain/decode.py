@@ -20,8 +20,9 @@ small pool of our own threads, not numba's ``parallel=True``/``prange``: the int
 releases the GIL, and ``prange`` would bring a threading layer (OpenMP or TBB) with a pool of its
 own beside torch's and librdkafka's, sized apart from the config, unnamed for ``top -H`` and
 ``bench e2e``'s CPU split, and not under SCHED_BATCH. On one thread the stage's work outside the
-slices (framing, the columns' set-up, the spans, the KJT) is about 8% of its CPU: the bound on what
-a second thread gains is about 1.85x.
+slices (framing, the columns' set-up, the spans, the KJT) is about 5% of its CPU. What the slices
+share they must not write side by side: each scatter moves its own copy of its cursors (two
+threads moving cursors that shared a cache line cost the stage a fifth of its speed).
 
 Ids reach their tables by a documented, stable mapping (``map_ids``), identical in both paths:
   - integers, ``modulo``: ``id mod num_embeddings`` with floor semantics, so -1 -> n-1;
