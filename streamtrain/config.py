@@ -216,7 +216,8 @@ class AdmissionConfig(_Strict):
         gt=0,
         le=65_535,
         description="Admit an id once it has been seen this many times (counted in a fixed-size sketch of uint16 "
-        "cells, which saturate at 65,535, halved every eviction interval). Set this or probability.",
+        "cells, which saturate at 65,535, halved every eviction interval and whenever they average a sighting "
+        "each). Set this or probability.",
     )
     probability: float | None = Field(
         default=None,

@@ -438,8 +438,8 @@ class TableIds:
             arrays.last_time_ms[:] = state["last_time_ms"].numpy()
         if arrays.counts is not None:
             arrays.counts[:] = np.minimum(state["counts"].numpy(), _COUNT_MAX)
-        if arrays.sketch is not None:
-            arrays.sketch[:] = np.minimum(state["sketch"].numpy(), _SKETCH_MAX)
+        if arrays.sketch is not None:  # absent where the snapshot's admission kept no sketch of this size
+            arrays.sketch[:] = np.minimum(state["sketch"].numpy(), _SKETCH_MAX) if "sketch" in state else 0
             self.sketch_total = int(arrays.sketch.sum(dtype=np.int64))
         rows = np.flatnonzero(arrays.in_use)
         self.index.clear()

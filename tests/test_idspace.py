@@ -471,6 +471,34 @@ def test_the_snapshot_holds_the_map_of_the_trained_batches_and_restores_at_anoth
         assert live.unique().numel() == live.numel(), f"{name}: an id holds two rows after the restore"
 
 
+def checkpointer_of(config, trainer: Trainer) -> Checkpointer:
+    return Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, 0, 1, None, None, trainer.id_space)
+
+
+def test_a_snapshot_restores_under_another_admission_and_ids_waiting_for_one_count_from_zero(tmp_path):
+    """A snapshot taken with every id admitted (no sketch) restores under min_count, and the other
+    way round: every id keeps its row."""
+    raw = managed_raw()
+    raw["checkpoint"] = {"path": str(tmp_path / "snapshots")}
+    config = parse_config(raw, environ={})
+    env = init_distributed()
+    trainer = Trainer(config, env)
+    list(trainer.train(iter(rank_batches(AvroBatchDecoder(config.features), 0, 1, global_batches(2)))))
+    checkpointer_of(config, trainer).save(StreamState(step=2))
+    user, ad = raw["features"]["tables"][:2]
+    del user["admission"]  # the default, min_count 2
+    ad["admission"] = EVERY_ID  # was min_count 2
+    swapped = parse_config(raw, environ={})
+    other = Trainer(swapped, env)
+    restored = checkpointer_of(swapped, other).restore()
+    assert restored is not None and restored.step == 2
+    before, after = trainer.id_space.state_dict(), other.id_space.state_dict()
+    for name in ROWS:
+        for key in ("ids", "in_use", "last_step"):
+            assert torch.equal(after[name][key], before[name][key]), (name, key)
+    assert int(after["user_id"]["sketch"].count_nonzero()) == 0 and after["adgroup_id"]["sketch"].numel() == 0
+
+
 def test_a_snapshot_with_other_rows_is_refused_clearly_and_a_partial_restore_starts_that_map_empty(tmp_path):
     raw = managed_raw()
     raw["checkpoint"] = {"path": str(tmp_path / "snapshots")}
@@ -479,15 +507,11 @@ def test_a_snapshot_with_other_rows_is_refused_clearly_and_a_partial_restore_sta
     trainer = Trainer(config, env)
     batches = rank_batches(AvroBatchDecoder(config.features), 0, 1, global_batches(2))
     list(trainer.train(iter(batches)))
-    Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, 0, 1, None, None, trainer.id_space).save(
-        StreamState(step=2)
-    )
+    checkpointer_of(config, trainer).save(StreamState(step=2))
     raw["features"]["tables"][0]["rows"] = 250
     bigger = parse_config(raw, environ={})
     other = Trainer(bigger, env)
-    checkpointer = Checkpointer(
-        bigger.checkpoint, bigger, other.model, other.optimizer, 0, 1, None, None, other.id_space
-    )
+    checkpointer = checkpointer_of(bigger, other)
     with pytest.raises(CheckpointError, match=r"tables.user_id.rows: 200 in the snapshot, 250 here"):
         checkpointer.restore()
     restored = checkpointer.restore(allow_partial=True)
