@@ -871,6 +871,8 @@ class Checkpointer:
         parts = self._with_id_space(parts)
         state = {k: v for k, v in self._state_dict("").items() if k in parts}
         reader = _fsspec_reader(path) if _is_url(path) else FileSystemReader(_fs(path)[1])
+        if "id_space" in state:
+            state["id_space"] = _without_other_sketches(state["id_space"], reader.read_metadata())
         if partial:
             matched = _matching_only(state, reader.read_metadata())
             if "id_space" in state:
@@ -892,6 +894,22 @@ class Checkpointer:
             # param groups). A partial restore keeps the loaded tensors and fresh counters.
             self.optimizer.load_state_dict(state["optimizer"])
         return StreamState.from_json(state["stream"]) if "stream" in parts else None
+
+
+def _without_other_sketches(id_space: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
+    """``id_space`` less the admission sketches the snapshot holds at another shape (or not at all):
+    admission settings may change across a restore, and ids waiting for admission then count from
+    zero. A snapshot taken with every id admitted holds no sketch."""
+    saved = metadata.state_dict_metadata
+    kept: dict[str, Any] = {}
+    for name, table in id_space.items():
+        if isinstance(table, dict) and "sketch" in table:
+            entry = saved.get(f"id_space.{name}.sketch")
+            if entry is None or tuple(getattr(entry, "size", ())) != tuple(table["sketch"].shape):
+                log.info("table %s: the snapshot's admission sketch differs; waiting ids count from zero", name)
+                table = {key: value for key, value in table.items() if key != "sketch"}
+        kept[name] = table
+    return kept
 
 
 def _whole_id_maps(full: dict[str, Any], matched: dict[str, Any]) -> dict[str, Any]:

@@ -224,6 +224,7 @@ class TableIds:
         )
         self.index = IdIndex(self.arrays.ids)
         self.occupied = 0
+        self.sketch_total = 0  # the sum of the sketch's cells, kept as they change
 
     # --- the update -----------------------------------------------------------------------
     def update(self, ids: torch.Tensor, step: int, now_ms: int) -> TableStep:
@@ -301,7 +302,20 @@ class TableIds:
         added = np.zeros(shared.size, dtype=np.int64)
         np.add.at(added, where, np.tile(counts, cells.shape[0]))
         flat = undo.write(self.arrays, "sketch", shared)
-        flat[shared] = np.minimum(flat[shared].astype(np.int64) + added, _SKETCH_MAX)
+        old = flat[shared].astype(np.int64)
+        new = np.minimum(old + added, _SKETCH_MAX)
+        flat[shared] = new
+        self.sketch_total += int(new.sum() - old.sum())
+        # TinyLFU's sample: once the cells hold a sighting each on average, halve them, however
+        # many steps that took. Halving only every interval_steps lets a stream with many ids seen
+        # once fill every cell between halvings, and then every new id looks seen before.
+        if self.sketch_total >= sketch.size:
+            self._halve_sketch(undo)
+
+    def _halve_sketch(self, undo: Undo) -> None:
+        assert self.arrays.sketch is not None
+        undo.halve(self.arrays, "sketch")
+        self.sketch_total = int(self.arrays.sketch.sum(dtype=np.int64))
 
     def _admit(self, ids: np.ndarray, counts: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
         """Which of ``ids`` (without rows, seen ``counts`` times) are admitted, and for min_count
@@ -351,7 +365,7 @@ class TableIds:
     def _interval(self, undo: Undo, step: int, now_ms: int) -> Evictions:
         arrays, eviction = self.arrays, self.eviction
         if arrays.sketch is not None:  # waiting ids' counts fade, so a trickle is never admitted by age alone
-            undo.halve(arrays, "sketch")
+            self._halve_sketch(undo)
         if arrays.counts is not None:
             undo.halve(arrays, "counts")
         if eviction.policy != "ttl":
@@ -424,8 +438,9 @@ class TableIds:
             arrays.last_time_ms[:] = state["last_time_ms"].numpy()
         if arrays.counts is not None:
             arrays.counts[:] = np.minimum(state["counts"].numpy(), _COUNT_MAX)
-        if arrays.sketch is not None:
-            arrays.sketch[:] = np.minimum(state["sketch"].numpy(), _SKETCH_MAX)
+        if arrays.sketch is not None:  # absent where the snapshot's admission kept no sketch of this size
+            arrays.sketch[:] = np.minimum(state["sketch"].numpy(), _SKETCH_MAX) if "sketch" in state else 0
+            self.sketch_total = int(arrays.sketch.sum(dtype=np.int64))
         rows = np.flatnonzero(arrays.in_use)
         self.index.clear()
         try:

@@ -433,7 +433,8 @@ def test_naive_loop_averages_the_tables_sparse_gradients_over_ranks(tmp_path):
 
 
 def test_idspace_benchmark_trains_one_drifting_stream_hash_managed_and_reference_side_by_side():
-    """All three legs run, the managed leg within the hash leg's memory, and the bench reports both goals."""
+    """All three legs run, the managed leg within the hash leg's memory, and the bench reports both goals;
+    then again on the stream with a one-off tail, the managed leg with the default admission."""
     result = subprocess.run(
         [sys.executable, "-m", "streamtrain", "bench", "idspace", "--quick", "--config", str(SMALL_CONFIG)],
         cwd=REPO,
@@ -458,6 +459,13 @@ def test_idspace_benchmark_trains_one_drifting_stream_hash_managed_and_reference
     assert 0.6 < saved["managed_auc"] < saved["bayes_auc"] + 0.02 and saved["throughput_ratio"] > 0
     assert legs["managed"]["state_bytes"] <= legs["hash"]["state_bytes"], "the managed leg must fit the same memory"
     assert "managed - hash" in printed and "throughput managed / hash" in printed
+    tailed = saved["tailed"]
+    assert tailed["drift"]["one_off"] == pytest.approx(1 / 3) and tailed["managed_admission"] == {"min_count": 2}
+    assert all(tailed["distinct_ids"][t] > 2 * n for t, n in saved["distinct_ids"].items()), tailed["distinct_ids"]
+    for name in ("hash_auc", "managed_auc", "reference_auc"):
+        assert 0.55 < tailed[name] < tailed["bayes_auc"] + 0.02, (name, tailed)
+    assert tailed["legs"]["managed"]["state_bytes"] <= tailed["legs"]["hash"]["state_bytes"]
+    assert "tailed leg: 33% of the events' users and of their ads seen once" in printed
 
 
 @pytest.mark.integration  # starts its own broker

@@ -19,6 +19,12 @@ events, and the throughput ratio managed / hash. The goals: managed wins back at
 what collisions cost (managed - hash >= 0.5 x (reference - hash)), at a throughput ratio of 0.85
 or more. Without a managed mapping in this build the two hash legs run, and the run fails with
 the reason.
+
+Then the tailed leg (issue 40): the same three legs on the same stream with a one-off tail
+(--one-off, default a third of the events' users and of their ads are ids seen in that event
+alone, as real click logs have), the managed leg with the default admission unless --managed sets
+one. Its goal is the same win-back; it is written under ``tailed``. --one-off 0 skips it, and
+--tailed-only runs it alone.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -50,6 +56,7 @@ WIN_BACK_GOAL, THROUGHPUT_GOAL = 0.5, 0.85
 DISTINCT_GOAL = 10  # distinct ids over the run per row, at least
 REFERENCE_FACTOR = 40
 SEGMENTS = 10
+ONE_OFF = 1 / 3  # the share of events from ids seen once in a real click log (issue 40)
 # What a managed table adds to its section unless --managed says otherwise.
 DEFAULT_MANAGED = "{eviction: {policy: lru}}"
 
@@ -80,6 +87,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MANAGED,
         help=f"YAML merged into each managed table's section: its eviction and admission (default {DEFAULT_MANAGED!r})",
     )
+    parser.add_argument(
+        "--one-off",
+        type=float,
+        default=ONE_OFF,
+        help="the tailed leg's share of events whose user, and of events whose ad, is seen once (default a third; "
+        "0 skips the tailed leg)",
+    )
+    parser.add_argument("--tailed-only", action="store_true", help="run the tailed leg alone")
 
 
 @dataclass(frozen=True)
@@ -99,7 +114,21 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     else:
         drift = Drift(users=args.users, ads=args.ads, lifetime=args.lifetime, id_effect=args.id_effect)
         sizes = Sizes(args.events, args.window, args.rows, args.reference_rows or REFERENCE_FACTOR * args.rows, drift)
-    return bench_idspace(args.config, sizes, args.tables, args.managed, args.seed, progress)
+    if args.tailed_only and not args.one_off:
+        raise SystemExit("streamtrain bench idspace: --tailed-only needs a tail: --one-off above 0")
+    result: dict[str, Any] = {"benchmark": "idspace", "machine": machine()}
+    if not args.tailed_only:
+        result.update(bench_idspace(args.config, sizes, args.tables, args.managed, args.seed, progress))
+    if args.one_off:
+        progress(f"tailed leg: {args.one_off:.0%} of the events' users and of their ads seen once")
+        tailed = replace(sizes, drift=replace(sizes.drift, one_off=args.one_off))
+        result["tailed"] = {
+            key: value
+            for key, value in bench_idspace(args.config, tailed, args.tables, args.managed, args.seed, progress).items()
+            if key not in ("benchmark", "machine")
+        }
+    return result
+
 
 
 def leg_config(raw: dict, tables: list[str], mapping: str, rows: int, managed: dict | None = None) -> WorkerConfig:
@@ -169,6 +198,7 @@ def bench_idspace(
             "ads": sizes.drift.ads,
             "lifetime": sizes.drift.lifetime,
             "id_effect": sizes.drift.id_effect,
+            "one_off": sizes.drift.one_off,
         },
         "tables": tables,
         "rows": sizes.rows,
@@ -176,6 +206,7 @@ def bench_idspace(
         "distinct_ids": stream.distinct,
         "batch_size": configs["hash"].batching.batch_size,
         "managed_section": managed_section,
+        "managed_admission": _admission(configs["managed"], tables),
         "legs": {name: leg.summary(aucs[name]) for name, leg in legs.items()},
         "hash_auc": aucs["hash"],
         "managed_auc": aucs["managed"],
@@ -185,6 +216,12 @@ def bench_idspace(
         "goals": _goals(aucs, rates, stream.distinct, sizes.rows),
     }
     return result
+
+
+def _admission(config: WorkerConfig, tables: list[str]) -> dict | None:
+    """The admission of the managed leg's tables (the config's default unless --managed sets one)."""
+    admission = next(t.admission for t in config.features.tables if t.name == tables[0])
+    return admission.model_dump(exclude_none=True) if admission is not None else None
 
 
 def _goals(aucs: dict[str, float], rates: dict[str, float], distinct: dict[str, int], rows: int) -> dict:
@@ -386,6 +423,18 @@ def _train_segment(leg: _Leg, events: list[RawEvent]) -> float:
 
 
 def table(result: dict) -> str:
+    parts = [_stream_table(result)] if "legs" in result else []
+    if "tailed" in result:
+        tailed = result["tailed"]
+        parts.append(
+            f"  tailed leg: {tailed['drift']['one_off']:.0%} of the events' users and of their ads seen once; "
+            f"managed admission {tailed['managed_admission'] or 'every id'}"
+        )
+        parts.append(_stream_table(tailed))
+    return "\n".join(parts)
+
+
+def _stream_table(result: dict) -> str:
     rows = result["rows"]
     lines = [
         f"  {result['events']:,} drifting events ({result['drift']['users']:,} live users, "
