@@ -16,6 +16,7 @@ docs/durability.md says what survives what.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -330,13 +331,56 @@ def _layout(state: Any) -> Any:
     return None
 
 
+class StagerPerSnapshot(AsyncStager):
+    """A ``DefaultStager`` made for each snapshot and closed after it, for a torch whose
+    ``DefaultStager`` closes itself after every stage: torch 2.11's empties its copier table
+    there, so a stager kept for the worker's life fails at the second snapshot
+    (``KeyError: <class 'type'>``). That torch keeps no buffers between snapshots either, so this
+    costs nothing more there."""
+
+    _synchronize_after_execute = False
+
+    def __init__(self, options: StagingOptions):
+        self._options = options
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        stager = DefaultStager(self._options)
+        try:
+            return cast(dict[str, Any], stager.stage(state_dict))
+        finally:
+            stager.close()
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for: the staging is synchronous (``use_async_staging`` is off)."""
+
+
+@functools.cache
+def _default_stager_stages_twice() -> bool:
+    """Whether the installed torch's ``DefaultStager`` can stage a second time (2.13's keeps its
+    buffers for the next snapshot; 2.11's has closed itself), tried on a one-tensor state."""
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    try:
+        for _ in range(2):
+            stager.stage({"probe": torch.zeros(1)})
+        return True
+    except KeyError:
+        return False
+    finally:
+        stager.close()
+
+
+def kept_default_stager(options: StagingOptions) -> AsyncStager:
+    """DCP's ``DefaultStager`` kept for the worker's life, where the installed torch allows it."""
+    return DefaultStager(options) if _default_stager_stages_twice() else StagerPerSnapshot(options)
+
+
 def snapshot_stager(device: torch.device, async_mode: str) -> AsyncStager | None:
     """What stages a snapshot on a trainer on ``device``. None: DCP's own staging, kept for the
     helper process of ``process`` mode on CPU, which is handed the staged state (not measured with
     kept buffers)."""
     if device.type == "cuda":
         options = staging_options(device, async_mode)
-        return DefaultStager(options) if options is not None else None
+        return kept_default_stager(options) if options is not None else None
     return KeptBuffersStager() if async_mode == "thread" else None
 
 
@@ -829,6 +873,8 @@ class Checkpointer:
         parts = self._with_id_space(parts)
         state = {k: v for k, v in self._state_dict("").items() if k in parts}
         reader = _fsspec_reader(path) if _is_url(path) else FileSystemReader(_fs(path)[1])
+        if "id_space" in state:
+            state["id_space"] = _without_other_sketches(state["id_space"], reader.read_metadata())
         if partial:
             matched = _matching_only(state, reader.read_metadata())
             if "id_space" in state:
@@ -850,6 +896,29 @@ class Checkpointer:
             # param groups). A partial restore keeps the loaded tensors and fresh counters.
             self.optimizer.load_state_dict(state["optimizer"])
         return StreamState.from_json(state["stream"]) if "stream" in parts else None
+
+
+def _without_other_sketches(id_space: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
+    """``id_space`` less the buckets' admission sketches the snapshot holds at another shape (or not
+    at all): admission settings may change across a restore, and ids waiting for admission then
+    count from zero. A snapshot taken with every id admitted holds empty sketches."""
+    saved = metadata.state_dict_metadata
+    kept: dict[str, Any] = {}
+    for name, buckets in id_space.items():
+        if isinstance(buckets, dict):
+            differ = [
+                bucket
+                for bucket, part in buckets.items()
+                if tuple(getattr(saved.get(f"id_space.{name}.{bucket}.sketch"), "size", ())) != part["sketch"].shape
+            ]
+            if differ:
+                log.info("table %s: the snapshot's admission sketch differs; waiting ids count from zero", name)
+                buckets = {
+                    bucket: {k: v for k, v in part.items() if k != "sketch"} if bucket in differ else part
+                    for bucket, part in buckets.items()
+                }
+        kept[name] = buckets
+    return kept
 
 
 def _whole_id_maps(full: dict[str, Any], matched: dict[str, Any]) -> dict[str, Any]:

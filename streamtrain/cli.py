@@ -164,7 +164,7 @@ def _produce(args: argparse.Namespace) -> int:
     from streamtrain.dev.drift import Drift
     from streamtrain.dev.produce import produce
 
-    knobs = {name: getattr(args, f"drift_{name}") for name in ("users", "ads", "lifetime", "id_effect")}
+    knobs = {name: getattr(args, f"drift_{name}") for name in ("users", "ads", "lifetime", "id_effect", "one_off")}
     given = {name: value for name, value in knobs.items() if value is not None}
     if given and not args.drift:
         flags = ", ".join(f"--drift-{name.replace('_', '-')}" for name in given)
@@ -501,6 +501,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="SD",
         help="standard deviation of each id's own effect on the click logit (default 1.0)",
+    )
+    drift.add_argument(
+        "--drift-one-off",
+        type=float,
+        metavar="SHARE",
+        help="the share of events whose user, and independently whose ad, is seen in that event alone: the "
+        "one-off tail of a real click log (default 0; real logs have about a third)",
     )
     produce.set_defaults(run=_produce)
 

@@ -203,6 +203,11 @@ class EvictionConfig(_Strict):
         return self
 
 
+# Chosen on bench idspace's tailed leg (docs/performance.md): with a third of the events from ids seen
+# once, admitting every id lets the one-offs evict live ids' rows.
+DEFAULT_ADMISSION = {"min_count": 2}
+
+
 class AdmissionConfig(_Strict):
     """Which new ids get a row of a managed table; the others share its unknown row meanwhile."""
 
@@ -211,7 +216,8 @@ class AdmissionConfig(_Strict):
         gt=0,
         le=65_535,
         description="Admit an id once it has been seen this many times (counted in a fixed-size sketch of uint16 "
-        "cells, which saturate at 65,535, halved every eviction interval). Set this or probability.",
+        "cells, which saturate at 65,535, halved every eviction interval and whenever they average a sighting "
+        "each). Set this or probability.",
     )
     probability: float | None = Field(
         default=None,
@@ -271,7 +277,9 @@ class TableConfig(_Strict):
         default=None, description="id_mapping managed only: which live id gives up its row (unset: lru)."
     )
     admission: AdmissionConfig | None = Field(
-        default=None, description="id_mapping managed only: which new ids get a row. Unset: every new id."
+        default=None,
+        description="id_mapping managed only: which new ids get a row. Unset: {min_count: 2}, so an id seen once "
+        "never takes a live id's row (docs/features.md, Admission); {probability: 1} admits every new id.",
     )
     sharding_types: list[ShardingTypeName] | None = Field(
         default=None,
@@ -303,6 +311,8 @@ class TableConfig(_Strict):
             return raw
         if raw.get("rows") is None:
             raise ValueError("id_mapping managed needs rows, the table's size (e.g. rows: 100000)")
+        if raw.get("admission") is None:
+            raw = {**raw, "admission": DEFAULT_ADMISSION}
         given = raw.get("num_embeddings")
         if given is not None and given != raw["rows"]:
             raise ValueError(

@@ -120,11 +120,11 @@ class Evictions:
 class Undo:
     """What one step overwrote in a table's arrays, to take the step back on a copy of them (the
     map at the cut): per write the array's name, the rows (or sketch cells) and their old values;
-    per halving the low bits it dropped, packed. A step's undo is about 8 to 17 bytes per distinct
-    id it saw, held while its batch is in flight."""
+    per halving the columns halved and the low bits it dropped, packed. A step's undo is about 8 to
+    17 bytes per distinct id it saw, held while its batch is in flight."""
 
-    # (name, rows, old values) per write; (name, None, packed low bits) per halving
-    writes: list[tuple[str, np.ndarray | None, np.ndarray]] = field(default_factory=list)
+    # (name, rows, old values) per write; (name, columns, packed low bits) per halving
+    writes: list[tuple[str, np.ndarray | slice, np.ndarray]] = field(default_factory=list)
 
     def write(self, arrays: TableArrays, name: str, rows: np.ndarray) -> np.ndarray:
         """Record the values at ``rows`` of array ``name`` before they are written; the array."""
@@ -132,23 +132,31 @@ class Undo:
         self.writes.append((name, rows.astype(np.int32), array[rows].copy()))
         return array
 
-    def halve(self, arrays: TableArrays, name: str) -> None:
-        array = arrays.flat(name)
-        self.writes.append((name, None, np.packbits((array & 1).astype(np.bool_))))
-        array >>= 1
+    def halve(self, arrays: TableArrays, name: str, columns: slice = slice(None)) -> None:
+        """Halve array ``name``, or only its ``columns`` (one bucket's sketch cells, in each hash row)."""
+        part = _columns(arrays, name, columns)
+        self.writes.append((name, columns, np.packbits((part & 1).astype(np.bool_))))
+        part >>= 1
 
     def undo(self, arrays: TableArrays) -> None:
         for name, rows, old in reversed(self.writes):
-            array = arrays.flat(name)
-            if rows is not None:
-                array[rows] = old
+            if isinstance(rows, slice):
+                part = _columns(arrays, name, rows)
+                part <<= 1
+                part |= np.unpackbits(old, count=part.size).reshape(part.shape).astype(part.dtype)
             else:
-                array <<= 1
-                array |= np.unpackbits(old, count=array.size).astype(array.dtype)
+                arrays.flat(name)[rows] = old
 
     @property
     def nbytes(self) -> int:
-        return sum((0 if rows is None else rows.nbytes) + old.nbytes for _name, rows, old in self.writes)
+        return sum((0 if isinstance(rows, slice) else rows.nbytes) + old.nbytes for _name, rows, old in self.writes)
+
+
+def _columns(arrays: TableArrays, name: str, columns: slice) -> np.ndarray:
+    """A view of ``columns`` of array ``name`` (its last axis)."""
+    array = getattr(arrays, name)
+    assert array is not None, name
+    return array[..., columns]
 
 
 @dataclass(frozen=True)
@@ -278,6 +286,8 @@ class TableIds:
         )
         self.index = IdIndex(self.arrays.ids)
         self.occupied = 0
+        # per owned bucket, the sum of its sketch cells, kept as they change
+        self.sketch_totals = np.zeros(len(owned), dtype=np.int64)
 
     def _local_buckets(self, ids: np.ndarray) -> np.ndarray:
         local = buckets_of(ids, self.bucket_count) - self.buckets.start
@@ -369,7 +379,24 @@ class TableIds:
         added = np.zeros(shared.size, dtype=np.int64)
         np.add.at(added, where, np.tile(counts, cells.shape[0]))
         flat = undo.write(self.arrays, "sketch", shared)
-        flat[shared] = np.minimum(flat[shared].astype(np.int64) + added, _SKETCH_MAX)
+        old = flat[shared].astype(np.int64)
+        new = np.minimum(old + added, _SKETCH_MAX)
+        flat[shared] = new
+        np.add.at(self.sketch_totals, (shared % width) // self.sketch_width, new - old)
+        # TinyLFU's sample: once a bucket's cells hold a sighting each on average, halve them,
+        # however many steps that took. Halving only every interval_steps lets a stream with many ids
+        # seen once fill every cell between halvings, and then every new id looks seen before. Each
+        # bucket by itself, so that its map depends on its own ids only, at any world size.
+        for bucket in np.flatnonzero(self.sketch_totals >= len(_SKETCH_SALTS) * self.sketch_width).tolist():
+            columns = slice(bucket * self.sketch_width, (bucket + 1) * self.sketch_width)
+            undo.halve(self.arrays, "sketch", columns)
+            self.sketch_totals[bucket] = int(sketch[:, columns].sum(dtype=np.int64))
+
+    def _recount_sketch(self) -> None:
+        sketch = self.arrays.sketch
+        assert sketch is not None
+        per_bucket = sketch.reshape(len(_SKETCH_SALTS), len(self.buckets), self.sketch_width)
+        self.sketch_totals = per_bucket.sum(axis=(0, 2), dtype=np.int64)
 
     def _admit(
         self, ids: np.ndarray, counts: np.ndarray, local_buckets: np.ndarray, step: int
@@ -452,6 +479,7 @@ class TableIds:
         arrays, eviction = self.arrays, self.eviction
         if arrays.sketch is not None:  # waiting ids' counts fade, so a trickle is never admitted by age alone
             undo.halve(arrays, "sketch")
+            self._recount_sketch()
         if arrays.counts is not None:
             undo.halve(arrays, "counts")
         if eviction.policy != "ttl":
@@ -538,7 +566,10 @@ class TableIds:
                 arrays.counts[first:end] = np.minimum(part["counts"].numpy(), _COUNT_MAX)
             if arrays.sketch is not None:
                 cells = slice(at * self.sketch_width, (at + 1) * self.sketch_width)
-                arrays.sketch[:, cells] = np.minimum(part["sketch"].numpy(), _SKETCH_MAX)
+                # absent where the snapshot's admission kept no sketch of this size: its ids count from zero
+                arrays.sketch[:, cells] = np.minimum(part["sketch"].numpy(), _SKETCH_MAX) if "sketch" in part else 0
+        if arrays.sketch is not None:
+            self._recount_sketch()
         rows = np.flatnonzero(arrays.in_use)
         self.index.clear()
         try:

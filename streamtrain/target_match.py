@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torchrec.models.dlrm import DLRM
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from streamtrain.config import TargetMatchConfig
 
@@ -35,10 +35,18 @@ def match_counts(sparse: KeyedJaggedTensor, pairs: list[tuple[str, str]]) -> tor
     features = sparse.to_dict()
     columns = []
     for candidate_key, history_key in pairs:
-        candidate = features[candidate_key].to_padded_dense(padding_value=_CANDIDATE_PADDING)  # [B, Lc]
-        history = features[history_key].to_padded_dense(padding_value=_HISTORY_PADDING)  # [B, Lh]
+        candidate = _padded(features[candidate_key], _CANDIDATE_PADDING)  # [B, Lc]
+        history = _padded(features[history_key], _HISTORY_PADDING)  # [B, Lh]
         columns.append((candidate.unsqueeze(2) == history.unsqueeze(1)).sum(dim=(1, 2)))
     return torch.stack(columns, dim=1)
+
+
+def _padded(ids: JaggedTensor, padding: int) -> torch.Tensor:
+    """``JaggedTensor.to_padded_dense`` as torchrec 1.8 does it: torchrec 1.6 takes ``int()`` of
+    the longest length, which ``torch.export`` (torch 2.11) refuses as a guard on data; the
+    ``.item()`` alone is an int in eager and a symbol under export."""
+    longest = ids.lengths().max().item()
+    return torch.ops.fbgemm.jagged_to_padded_dense(ids.values(), [ids.offsets()], [longest], padding)
 
 
 class TargetMatchDLRM(DLRM):

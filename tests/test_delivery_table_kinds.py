@@ -103,6 +103,7 @@ MANAGED = {
     "0__NUM_EMBEDDINGS": "200",
     "0__EVICTION__POLICY": "lru",
     "0__EVICTION__INTERVAL_STEPS": "4",
+    "0__ADMISSION__PROBABILITY": "1",  # every new id at once
     # adgroup_id: rows freed by ttl without being looked up again, and ids that wait for admission.
     "1__ID_MAPPING": "managed",
     "1__ROWS": "300",

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -24,7 +25,9 @@ from streamtrain.checkpoint import (
     Checkpointer,
     CheckpointError,
     KeptBuffersStager,
+    StagerPerSnapshot,
     StreamState,
+    kept_default_stager,
     snapshot_stager,
     staging_options,
 )
@@ -436,6 +439,19 @@ def test_device_snapshot_staging_is_chosen_per_device():
         staging_options(torch.device("cuda", 0), "process")
 
 
+def test_device_stager_per_snapshot_stages_every_snapshot_as_a_copy():
+    """The stager for a torch whose DefaultStager closes itself after a stage (2.11): every
+    snapshot stages, and each staged state is a copy that later steps do not move."""
+    stager = StagerPerSnapshot(StagingOptions(False, False, False, False))
+    weights = {"table": torch.arange(4.0), "nested": {"bias": torch.ones(2)}, "step": 3}
+    staged = []
+    for _ in range(3):
+        staged.append(stager.stage(weights))
+        weights["table"] += 1
+    assert [s["table"].tolist() for s in staged] == [[0, 1, 2, 3], [1, 2, 3, 4], [2, 3, 4, 5]]
+    assert all(s["step"] == 3 and torch.equal(s["nested"]["bias"], torch.ones(2)) for s in staged)
+
+
 def test_device_cpu_checkpointer_keeps_dcps_own_staging_only_for_the_helper_process(tmp_path, config):
     trainer = Trainer(config, init_distributed())
     for mode, kept in (("thread", True), ("process", False)):
@@ -448,19 +464,18 @@ def test_device_cpu_checkpointer_keeps_dcps_own_staging_only_for_the_helper_proc
 def test_device_staged_snapshots_are_the_cut_through_a_kept_stager(monkeypatch, tmp_path, uneven_batches):
     """The CUDA route, with pinning and non-blocking copies (which need a GPU) switched off: the
     DTensor state goes through DCP's DefaultStager, whose host buffers are reused by the next
-    snapshot, and each snapshot is still its step's cut."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
+    snapshot (on torch 2.11, a DefaultStager made per snapshot), and each snapshot is still its
+    step's cut."""
     monkeypatch.setattr(
         checkpoint_module,
         "snapshot_stager",
-        lambda device, mode: DefaultStager(StagingOptions(False, False, False, False)),
+        lambda device, mode: kept_default_stager(StagingOptions(False, False, False, False)),
     )
     config = small_config(tmp_path)
     env = init_distributed()
     trainer = Trainer(config, env)
     checkpointer = Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, 0, 1, None)
-    assert isinstance(checkpointer.stager, DefaultStager)
+    assert isinstance(checkpointer.stager, (DefaultStager, StagerPerSnapshot))
     list(trainer.train(iter(uneven_batches[:2])))
     checkpointer.save(StreamState(step=2, next_offsets={0: 2}, trained={0: 2}))
     list(trainer.train(iter(uneven_batches[2:4])))

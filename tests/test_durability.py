@@ -183,7 +183,12 @@ def test_retention_rm_failure_leaves_the_commit_counted_as_done(tmp_path, monkey
 
 
 def test_clamp_a_far_future_event_time_neither_expires_ttl_rows_nor_skews_freshness():
-    managed = {"id_mapping": "managed", "rows": 500, "eviction": {"policy": "ttl", "ttl_seconds": 60}}
+    managed = {
+        "id_mapping": "managed",
+        "rows": 500,
+        "eviction": {"policy": "ttl", "ttl_seconds": 60},
+        "admission": {"probability": 1},  # the first batch's ids take rows at once
+    }
     config = small_config(Path("/unused"))
     raw = config.model_dump(mode="json")
     user = next(t for t in raw["features"]["tables"] if t["name"] == "user_id")

@@ -17,7 +17,7 @@ import yaml
 
 from conftest import REPO, SCHEMA, join_as_spawned_rank, leave_spawned_rank
 from streamtrain.checkpoint import Checkpointer, CheckpointError, StreamState
-from streamtrain.config import ConfigError, TableConfig, parse_config
+from streamtrain.config import AdmissionConfig, ConfigError, TableConfig, parse_config
 from streamtrain.decode import AvroBatchDecoder, ClickBatch
 from streamtrain.dev.kafka import free_port
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
@@ -30,6 +30,8 @@ from streamtrain.train import Trainer
 # split into buckets that 2 and 3 ranks share unevenly.
 ROWS = {"user_id": 200, "adgroup_id": 300}
 BUCKETS = {"user_id": 4, "adgroup_id": 3}
+# Every new id gets a row at its first sighting (the default admission waits for a second).
+EVERY_ID = {"probability": 1}
 GLOBAL_BATCH = 256
 STEPS = 12
 
@@ -48,6 +50,7 @@ def managed_raw(
                 rows=rows[table["name"]],
                 buckets=BUCKETS[table["name"]],
                 eviction={"policy": "lru", "interval_steps": 4},
+                admission=EVERY_ID,
             )
         if sharding and table["name"] in sharding:
             table["sharding_types"] = [sharding[table["name"]]]
@@ -115,8 +118,8 @@ ENCODER = AvroEncoder(SCHEMA)
 # --- the map's rules ------------------------------------------------------------------------------
 
 
-def ids_table(rows: int = 4, **fields) -> TableIds:
-    return TableIds(table(id_mapping="managed", rows=rows, **fields))
+def ids_table(rows: int = 4, admission: dict = EVERY_ID, **fields) -> TableIds:
+    return TableIds(table(id_mapping="managed", rows=rows, admission=admission, **fields))
 
 
 def map_once(ids: TableIds, values: list[int], step: int, now_ms: int = 0) -> TableStep:
@@ -176,6 +179,32 @@ def test_min_count_admission_reads_the_unknown_row_until_the_count_is_reached():
     ids = ids_table(rows=10, admission={"min_count": 2})
     assert map_once(ids, [7, 8, 8], 1).rows.tolist() == [ids.unknown_row, 0, 0]
     assert map_once(ids, [7], 2).rows.tolist() == [1]
+
+
+def test_a_managed_table_waits_for_an_ids_second_sighting_by_default():
+    assert table(id_mapping="managed", rows=10).admission == AdmissionConfig(min_count=2)
+    assert table(id_mapping="managed", rows=10, admission=EVERY_ID).admission == AdmissionConfig(probability=1)
+
+
+def test_ids_seen_once_do_not_fill_the_admission_sketch_however_long_the_interval():
+    """A tail of ids seen once, far more per interval than the sketch has cells, still waits: the
+    sketch halves once its cells hold a sighting each on average (and the undo takes that back)."""
+    section = {"eviction": {"policy": "lru", "interval_steps": 10_000}, "admission": {"min_count": 2}}
+    tables = [table(id_mapping="managed", rows=1_000, **section)]
+    ahead, behind = IdMapping(tables), IdMapping(tables)
+    # 10 ids seen every step amid 300 new ids a step; the sketch has 2 x 2,048 cells, and halves
+    # every 5 steps or so (at step 57 among others). Halving only by interval, 94% of them get rows.
+    recurring = np.arange(10)
+    steps = [torch.from_numpy(np.concatenate((recurring, 1_000 + 300 * at + np.arange(300)))) for at in range(58)]
+    results = [ahead.update({"t": values}, now_ms=0) for values in steps]
+    one_offs_admitted = sum(int((~r["t"].unknown[recurring.size :]).sum()) for r in results[10:])
+    assert one_offs_admitted < 0.4 * 48 * 300, one_offs_admitted
+    assert (ahead.tables["t"].find(recurring) >= 0).all()
+    for values in steps[:-2]:
+        behind.update({"t": values}, now_ms=0)
+    halvings = [isinstance(rows, slice) for r in results[-2:] for _name, rows, _old in r["t"].undo.writes]
+    assert any(halvings), "no halving in the steps in flight: nothing to take back"
+    assert_same_state(ahead.state_dict(results[-2:]), behind.state_dict())
 
 
 def test_probability_admission_admits_that_share_the_same_way_every_time():
@@ -465,6 +494,36 @@ def test_the_snapshot_holds_the_map_of_the_trained_batches_and_restores_at_anoth
         assert ids[in_use].unique().numel() == int(in_use.sum()), f"{name}: an id holds two rows after the restore"
 
 
+def checkpointer_of(config, trainer: Trainer) -> Checkpointer:
+    return Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, 0, 1, None, None, trainer.id_space)
+
+
+def test_a_snapshot_restores_under_another_admission_and_ids_waiting_for_one_count_from_zero(tmp_path):
+    """A snapshot taken with every id admitted (no sketch) restores under min_count, and the other
+    way round: every id keeps its row."""
+    raw = managed_raw()
+    raw["checkpoint"] = {"path": str(tmp_path / "snapshots")}
+    config = parse_config(raw, environ={})
+    env = init_distributed()
+    trainer = Trainer(config, env)
+    list(trainer.train(iter(rank_batches(AvroBatchDecoder(config.features), 0, 1, global_batches(2)))))
+    checkpointer_of(config, trainer).save(StreamState(step=2))
+    user, ad = raw["features"]["tables"][:2]
+    del user["admission"]  # the default, min_count 2
+    ad["admission"] = EVERY_ID  # was min_count 2
+    swapped = parse_config(raw, environ={})
+    other = Trainer(swapped, env)
+    restored = checkpointer_of(swapped, other).restore()
+    assert restored is not None and restored.step == 2
+    before, after = trainer.id_space.state_dict(), other.id_space.state_dict()
+    for name in ROWS:
+        for bucket, part in before[name].items():
+            for key in ("ids", "in_use", "last_step"):
+                assert torch.equal(after[name][bucket][key], part[key]), (name, bucket, key)
+    assert all(int(part["sketch"].count_nonzero()) == 0 for part in after["user_id"].values())
+    assert all(part["sketch"].numel() == 0 for part in after["adgroup_id"].values())
+
+
 def test_a_snapshot_with_other_rows_is_refused_clearly_and_a_partial_restore_starts_that_map_empty(tmp_path):
     raw = managed_raw()
     raw["checkpoint"] = {"path": str(tmp_path / "snapshots")}
@@ -473,15 +532,11 @@ def test_a_snapshot_with_other_rows_is_refused_clearly_and_a_partial_restore_sta
     trainer = Trainer(config, env)
     batches = rank_batches(AvroBatchDecoder(config.features), 0, 1, global_batches(2))
     list(trainer.train(iter(batches)))
-    Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, 0, 1, None, None, trainer.id_space).save(
-        StreamState(step=2)
-    )
+    checkpointer_of(config, trainer).save(StreamState(step=2))
     raw["features"]["tables"][0]["rows"] = 250
     bigger = parse_config(raw, environ={})
     other = Trainer(bigger, env)
-    checkpointer = Checkpointer(
-        bigger.checkpoint, bigger, other.model, other.optimizer, 0, 1, None, None, other.id_space
-    )
+    checkpointer = checkpointer_of(bigger, other)
     with pytest.raises(CheckpointError, match=r"tables.user_id.rows: 200 in the snapshot, 250 here"):
         checkpointer.restore()
     restored = checkpointer.restore(allow_partial=True)

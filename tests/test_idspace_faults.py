@@ -39,6 +39,7 @@ def managed_config(path: Path) -> Path:
             table.update(id_mapping="managed", rows=ROWS[table["name"]], buckets=BUCKETS[table["name"]])
     user, ad = raw["features"]["tables"][:2]
     user["eviction"] = {"policy": "lru", "interval_steps": 5}
+    user["admission"] = {"probability": 1}  # every new id at once; the ad table waits for a second sighting
     ad["eviction"] = {"policy": "ttl", "ttl_steps": 10, "interval_steps": 5}
     ad["admission"] = {"min_count": 2}
     path.write_text(yaml.safe_dump(raw))

@@ -19,6 +19,12 @@ events, and the throughput ratio managed / hash. The goals: managed wins back at
 what collisions cost (managed - hash >= 0.5 x (reference - hash)), at a throughput ratio of 0.85
 or more. Without a managed mapping in this build the two hash legs run, and the run fails with
 the reason.
+
+Then the tailed leg (issue 40): the same three legs on the same stream with a one-off tail
+(--one-off, default a third of the events' users and of their ads are ids seen in that event
+alone, as real click logs have), the managed leg with the default admission unless --managed sets
+one. Its goal is the same win-back; it is written under ``tailed``. --one-off 0 skips it, and
+--tailed-only runs it alone.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import functools
 import itertools
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +58,7 @@ WIN_BACK_GOAL, THROUGHPUT_GOAL = 0.5, 0.85
 DISTINCT_GOAL = 10  # distinct ids over the run per row, at least
 REFERENCE_FACTOR = 40
 SEGMENTS = 10
+ONE_OFF = 1 / 3  # the share of events from ids seen once in a real click log (issue 40)
 # What a managed table adds to its section unless --managed says otherwise.
 DEFAULT_MANAGED = "{eviction: {policy: lru}}"
 
@@ -89,6 +96,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--scale-ids", type=int, default=65_536, help="the scale leg's global ids a step (default 65,536)"
     )
     parser.add_argument("--scale-steps", type=int, default=30, help="the scale leg's steps (default 30)")
+    parser.add_argument(
+        "--one-off",
+        type=float,
+        default=ONE_OFF,
+        help="the tailed leg's share of events whose user, and of events whose ad, is seen once (default a third; "
+        "0 skips the tailed leg)",
+    )
+    parser.add_argument("--tailed-only", action="store_true", help="run the tailed leg alone")
 
 
 @dataclass(frozen=True)
@@ -98,7 +113,8 @@ class Sizes:
     rows: int
     reference_rows: int
     drift: Drift
-    scale: tuple[int, int, int] = (1_000_000, 65_536, 30)  # the scale leg's rows, global ids a step, steps
+    # the scale leg's rows, global ids a step, steps; None skips it
+    scale: tuple[int, int, int] | None = (1_000_000, 65_536, 30)
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
@@ -112,7 +128,21 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         reference = args.reference_rows or REFERENCE_FACTOR * args.rows
         scale = (args.scale_rows, args.scale_ids, args.scale_steps)
         sizes = Sizes(args.events, args.window, args.rows, reference, drift, scale)
-    return bench_idspace(args.config, sizes, args.tables, args.managed, args.seed, progress)
+    if args.tailed_only and not args.one_off:
+        raise SystemExit("streamtrain bench idspace: --tailed-only needs a tail: --one-off above 0")
+    result: dict[str, Any] = {"benchmark": "idspace", "machine": machine()}
+    if not args.tailed_only:
+        result.update(bench_idspace(args.config, sizes, args.tables, args.managed, args.seed, progress))
+    if args.one_off:
+        progress(f"tailed leg: {args.one_off:.0%} of the events' users and of their ads seen once")
+        # the scale leg reads no stream: it runs with the first legs only
+        tailed = replace(sizes, drift=replace(sizes.drift, one_off=args.one_off), scale=None)
+        result["tailed"] = {
+            key: value
+            for key, value in bench_idspace(args.config, tailed, args.tables, args.managed, args.seed, progress).items()
+            if key not in ("benchmark", "machine")
+        }
+    return result
 
 
 def leg_config(raw: dict, tables: list[str], mapping: str, rows: int, managed: dict | None = None) -> WorkerConfig:
@@ -182,6 +212,7 @@ def bench_idspace(
             "ads": sizes.drift.ads,
             "lifetime": sizes.drift.lifetime,
             "id_effect": sizes.drift.id_effect,
+            "one_off": sizes.drift.one_off,
         },
         "tables": tables,
         "rows": sizes.rows,
@@ -189,6 +220,7 @@ def bench_idspace(
         "distinct_ids": stream.distinct,
         "batch_size": configs["hash"].batching.batch_size,
         "managed_section": managed_section,
+        "managed_admission": _admission(configs["managed"], tables),
         "legs": {name: leg.summary(aucs[name]) for name, leg in legs.items()},
         "hash_auc": aucs["hash"],
         "managed_auc": aucs["managed"],
@@ -197,10 +229,17 @@ def bench_idspace(
         "throughput_ratio": rates["managed"] / rates["hash"],
         "goals": _goals(aucs, rates, stream.distinct, sizes.rows),
     }
-    scale_rows, scale_ids, scale_steps = sizes.scale
-    scale_features = leg_config(raw, tables[:1], "managed", scale_rows, managed_section).features
-    result["scale"] = scale_leg(scale_features, scale_ids, scale_steps, seed, progress)
+    if sizes.scale is not None:
+        scale_rows, scale_ids, scale_steps = sizes.scale
+        scale_features = leg_config(raw, tables[:1], "managed", scale_rows, managed_section).features
+        result["scale"] = scale_leg(scale_features, scale_ids, scale_steps, seed, progress)
     return result
+
+
+def _admission(config: WorkerConfig, tables: list[str]) -> dict | None:
+    """The admission of the managed leg's tables (the config's default unless --managed sets one)."""
+    admission = next(t.admission for t in config.features.tables if t.name == tables[0])
+    return admission.model_dump(exclude_none=True) if admission is not None else None
 
 
 def _goals(aucs: dict[str, float], rates: dict[str, float], distinct: dict[str, int], rows: int) -> dict:
@@ -402,6 +441,18 @@ def _train_segment(leg: _Leg, events: list[RawEvent]) -> float:
 
 
 def table(result: dict) -> str:
+    parts = [_stream_table(result)] if "legs" in result else []
+    if "tailed" in result:
+        tailed = result["tailed"]
+        parts.append(
+            f"  tailed leg: {tailed['drift']['one_off']:.0%} of the events' users and of their ads seen once; "
+            f"managed admission {tailed['managed_admission'] or 'every id'}"
+        )
+        parts.append(_stream_table(tailed))
+    return "\n".join(parts)
+
+
+def _stream_table(result: dict) -> str:
     rows = result["rows"]
     lines = [
         f"  {result['events']:,} drifting events ({result['drift']['users']:,} live users, "
@@ -431,4 +482,4 @@ def table(result: dict) -> str:
         f"  throughput managed / hash {result['throughput_ratio']:.3f}, goal >= {goals['throughput_ratio']}: "
         f"{'met' if goals['throughput_met'] else 'missed'}"
     )
-    return "\n".join(lines + scale_lines(result["scale"]))
+    return "\n".join(lines + (scale_lines(result["scale"]) if "scale" in result else []))

@@ -15,6 +15,13 @@ price, and its effect on the click logit) is drawn at birth, per block of ordina
 generator of its own, so it does not depend on how the events are chunked. Events carry the
 ordinals scattered by a bijection over [0, 2**63): distinct, non-negative, and as arbitrary as
 production ids.
+
+A one-off tail (``Drift.one_off``, off by default) replaces that share of the events' users, and
+independently that share of their ads, with ids seen in that event alone, as real click logs have
+(about a third of the events, issue 40). A one-off is an id like any other (a profile or an ad's
+attributes, and an effect of its own on the click) that no model can learn, and that a mapping
+admitting every id gives a row it will never read again. The one-offs are drawn from a generator of
+their own, so the tail only replaces ids: the rest of each event is what it is without the tail.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ POPULARITY_SIGMA = 1.2
 _BLOCK = 4096  # ordinals whose attributes are drawn together, from one generator
 _MASK63 = np.uint64(2**63 - 1)
 _USERS, _ADS = 0, 1  # the kinds' keys in the generators' seeds and their ids' salts
+# Added to a kind's salt for its one-off ids: ordinals stay far below 2**61, so no one-off id is
+# ever a live id.
+_ONE_OFF_SALT = 1 << 61
 
 
 @dataclass(frozen=True)
@@ -43,6 +53,9 @@ class Drift:
     # The standard deviation of each user's and each ad's own effect on the click logit: what a
     # model can learn only in that id's embedding row, and loses to a collision.
     id_effect: float = 1.0
+    # The share of events whose user is seen in that event alone, and independently the share whose
+    # ad is: the one-off tail.
+    one_off: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("users", "ads", "lifetime"):
@@ -50,6 +63,8 @@ class Drift:
                 raise ValueError(f"drift {name} must be at least 1 (--drift-{name}), got {getattr(self, name)}")
         if not self.id_effect >= 0:
             raise ValueError(f"drift id_effect must be 0 or more (--drift-id-effect), got {self.id_effect}")
+        if not 0 <= self.one_off < 1:
+            raise ValueError(f"drift one_off must be in [0, 1) (--drift-one-off), got {self.one_off}")
 
     def distinct_ids(self, size: int, events: int) -> int:
         """How many ids of a population of ``size`` live in the first ``events`` events."""
@@ -140,20 +155,65 @@ class DriftingClickStream(ClickStream):
                 "price": np.round(np.exp(rng.normal(4.0, 1.2, n)), 2).astype(np.float32),
             }
 
-        self.users = Population(drift.users, drift.lifetime, [seed, 2, _USERS], user)
-        self.ads = Population(drift.ads, drift.lifetime, [seed, 2, _ADS], ad)
+        self.users = Kind(Population(drift.users, drift.lifetime, [seed, 2, _USERS], user), _USERS)
+        self.ads = Kind(Population(drift.ads, drift.lifetime, [seed, 2, _ADS], ad), _ADS << 62)
+        if drift.one_off:
+            self.tail_rng = np.random.default_rng([seed, 3])
+            # A population of one live id that lives one draw: each of its ids is drawn once.
+            self.users.one_offs = Population(1, 1, [seed, 3, _USERS], user)
+            self.ads.one_offs = Population(1, 1, [seed, 3, _ADS], ad)
 
     def _draw_ids(self, size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         events = self.emitted + np.arange(size)
-        users = self.users.draw(self.rng, events)
-        ads = self.ads.draw(self.rng, events)
-        return users, ads, scattered(users, _USERS), scattered(ads, _ADS << 62)
+        users = self.users.live.draw(self.rng, events)
+        ads = self.ads.live.draw(self.rng, events)
+        if self.drift.one_off:
+            users = self.users.with_one_offs(self.tail_rng, users, self.drift.one_off)
+            ads = self.ads.with_one_offs(self.tail_rng, ads, self.drift.one_off)
+        return users, ads, self.users.ids(users), self.ads.ids(ads)
 
     def _ad_attributes(self, ads: np.ndarray) -> dict[str, np.ndarray]:
-        return {name: self.ads.attributes[name][ads] for name in ("cate", "price", "campaign", "customer", "brand")}
+        return {name: self.ads.attribute(name, ads) for name in ("cate", "price", "campaign", "customer", "brand")}
 
     def _profiles(self, users: np.ndarray) -> dict[str, np.ndarray]:
-        return {name: self.users.attributes[name][users] for name in PROFILE_LEVELS}
+        return {name: self.users.attribute(name, users) for name in PROFILE_LEVELS}
 
     def _id_effects(self, users: np.ndarray, ads: np.ndarray) -> np.ndarray | float:
-        return self.users.attributes["effect"][users] + self.ads.attributes["effect"][ads]
+        return self.users.attribute("effect", users) + self.ads.attribute("effect", ads)
+
+
+class Kind:
+    """One kind's ids as the events carry them: the live population's (ordinals 0, 1, ...) and, with a
+    one-off tail, the one-offs (the k-th one-off as ordinal -1 - k)."""
+
+    def __init__(self, live: Population, salt: int):
+        self.live, self.salt = live, salt
+        self.one_offs: Population | None = None
+        self.drawn_one_offs = 0
+
+    def with_one_offs(self, rng: np.random.Generator, ordinals: np.ndarray, share: float) -> np.ndarray:
+        """``ordinals`` with ``share`` of them, drawn by ``rng``, replaced by new one-offs."""
+        assert self.one_offs is not None
+        tail = rng.random(ordinals.size) < share
+        count = int(tail.sum())
+        if count == 0:
+            return ordinals
+        drawn = self.one_offs.draw(rng, self.drawn_one_offs + np.arange(count))
+        self.drawn_one_offs += count
+        ordinals = ordinals.copy()
+        ordinals[tail] = -1 - drawn
+        return ordinals
+
+    def ids(self, ordinals: np.ndarray) -> np.ndarray:
+        live = ordinals >= 0
+        one_off_ids = scattered(np.where(live, 0, -1 - ordinals), self.salt + _ONE_OFF_SALT)
+        return np.where(live, scattered(np.where(live, ordinals, 0), self.salt), one_off_ids)
+
+    def attribute(self, name: str, ordinals: np.ndarray) -> np.ndarray:
+        live = ordinals >= 0
+        values = self.live.attributes[name][np.where(live, ordinals, 0)]
+        if not live.all():
+            assert self.one_offs is not None
+            values[~live] = self.one_offs.attributes[name][-1 - ordinals[~live]]
+        return values
+
