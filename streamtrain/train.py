@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torchrec.distributed import DistributedModelParallel, comm_ops
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, TopologyFactory, TrainerConfig
@@ -130,6 +131,11 @@ class StepResult:
 _GIB = 2**30
 
 
+def sharders() -> list:
+    """The sharders of every kind of collection a model may hold: pooled tables and unpooled (a sequence's)."""
+    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+
+
 def topology(
     config: WorkerConfig,
     world_size: int,
@@ -195,8 +201,7 @@ def plan_sharding(
         topology=planner_topology or topology(config, world_size, compute_device, device=dense_device),
         constraints=_constraints(config),
     )
-    sharders = [EmbeddingBagCollectionSharder()]
-    plan = planner.collective_plan(model, sharders, pg) if pg is not None else planner.plan(model, sharders)
+    plan = planner.collective_plan(model, sharders(), pg) if pg is not None else planner.plan(model, sharders())
     return model, plan
 
 
@@ -370,12 +375,11 @@ class Trainer:
         model, self.plan = plan_sharding(
             config, env.world_size, env.device.type, dist.group.WORLD, env.device, planner_topology
         )
-        sharders = [EmbeddingBagCollectionSharder()]
         self.model = DistributedModelParallel(
             module=model,
             device=env.device,
             plan=self.plan,
-            sharders=sharders,
+            sharders=sharders(),
             # DTensor state lets dcp.async_save stage the sharded tables (ShardedTensor cannot).
             env=ShardingEnv(env.world_size, env.rank, dist.group.WORLD, output_dtensor=True),
         )

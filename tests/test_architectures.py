@@ -32,6 +32,7 @@ USER_MODELS = Path(__file__).resolve().parent / "user_models"
 ARCHITECTURES = {
     "dcn_v2": {"STREAMTRAIN_MODEL__ARCHITECTURE": "dcn_v2"},
     "deepfm": {"STREAMTRAIN_MODEL__ARCHITECTURE": "deepfm"},
+    "din": {"STREAMTRAIN_MODEL__ARCHITECTURE": "din"},
     "user_model": {"STREAMTRAIN_MODEL__MODULE": "my_models:build", "STREAMTRAIN_MODEL__OPTIONS": "{hidden: 24}"},
 }
 
@@ -51,7 +52,7 @@ def config_for(**model) -> object:
 
 
 # Each model trains at 1 and 2 ranks: served from one, killed and restored at the other.
-SERVED_AT = {"dcn_v2": 2, "deepfm": 1, "user_model": 2}
+SERVED_AT = {"dcn_v2": 2, "deepfm": 1, "din": 2, "user_model": 2}
 
 
 @pytest.mark.integration

@@ -10,10 +10,15 @@ import torch
 from torchrec import KeyedJaggedTensor
 
 from streamtrain.config import ConfigError, FeaturesConfig, ModelConfig, TaskConfig
-from streamtrain.models import dcn_v2, deepfm, dlrm
+from streamtrain.models import dcn_v2, deepfm, din, dlrm
 from streamtrain.models.base import Factory, ModelInterfaceError, check_logits
 
-BUILT_INS: dict[str, Factory] = {"dlrm": dlrm.build, "dcn_v2": dcn_v2.build, "deepfm": deepfm.build}
+BUILT_INS: dict[str, Factory] = {
+    "dlrm": dlrm.build,
+    "dcn_v2": dcn_v2.build,
+    "deepfm": deepfm.build,
+    "din": din.build,
+}
 
 # A user's net sits under this name in the model (and in snapshots and bases).
 USER_MODULE = "module"
