@@ -24,7 +24,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+from torchrec import JaggedTensor, KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel, comm_ops
+from torchrec.distributed import embedding as torchrec_embedding
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
@@ -134,6 +136,30 @@ _GIB = 2**30
 def sharders() -> list:
     """The sharders of every kind of collection a model may hold: pooled tables and unpooled (a sequence's)."""
     return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+
+
+_construct_jagged_tensors = torchrec_embedding.construct_jagged_tensors
+
+
+def _construct_jagged_tensors_of_any_batch(
+    embeddings: torch.Tensor, features: KeyedJaggedTensor, *args: Any, **kwargs: Any
+) -> dict[str, JaggedTensor]:
+    """TorchRec's, for an empty batch too: a rank with no events trains one, and TorchRec sizes
+    the sharded EmbeddingCollection's output by ``lengths.view(-1, stride)``, which a stride of 0
+    cannot size. The empty batch goes through as one event without ids, and leaves as none."""
+    original = kwargs.get("original_features")
+    if (original if original is not None else features).stride() != 0 or kwargs.get("seq_vbe_ctx") is not None:
+        return _construct_jagged_tensors(embeddings, features, *args, **kwargs)
+    keys = (original if original is not None else features).keys()
+    one_event = KeyedJaggedTensor(
+        keys=keys, values=features.values(), lengths=torch.zeros(len(keys), dtype=features.lengths().dtype), stride=1
+    )
+    kwargs["original_features"] = None if original is None else one_event
+    built = _construct_jagged_tensors(embeddings, one_event if original is None else features, *args, **kwargs)
+    return {key: JaggedTensor(values=jt.values(), lengths=jt.lengths()[:0]) for key, jt in built.items()}
+
+
+torchrec_embedding.construct_jagged_tensors = _construct_jagged_tensors_of_any_batch
 
 
 def topology(
