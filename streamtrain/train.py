@@ -51,7 +51,6 @@ from streamtrain.device import (
 from streamtrain.idspace import IdSpace, RowResetter, managed_tables
 from streamtrain.metrics import IdSpaceMetrics
 from streamtrain.model import ClickModel
-from streamtrain.models import check_exportable
 from streamtrain.models.base import table_weights
 from streamtrain.threads import profiled
 
@@ -215,8 +214,6 @@ def plan_sharding(
     and the dense layers stay on the meta device too. ``planner_topology`` defaults to
     ``topology(config, world_size, compute_device, device=dense_device)``.
     """
-    if config.model.module is not None:
-        check_exportable(config.features, config.model, config.tasks())
     model = ClickModel(config.features, config.model, config.tasks(), dense_device or torch.device("meta"))
     apply_optimizer_in_backward(
         _SPARSE_OPTIMIZERS[config.model.sparse_optimizer],

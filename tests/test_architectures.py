@@ -19,7 +19,7 @@ from torchrec.modules.crossnet import LowRankCrossNet
 from conftest import REPO, SCHEMA, end_offsets
 from streamtrain.checkpoint import compatibility_fingerprint, fingerprint_differences, list_snapshots
 from streamtrain.config import ConfigError, parse_config
-from streamtrain.delivery.artifact import unsharded_model
+from streamtrain.delivery.artifact import check_exportable, unsharded_model
 from streamtrain.dev.produce import produce
 from streamtrain.model import ClickModel, net_logits
 from streamtrain.models.base import ModelInterfaceError, table_weights
@@ -109,7 +109,7 @@ def test_architecture_restores_exactly_once_after_a_sigkill(
 def test_a_bad_user_model_is_refused_at_start_up_with_the_reason(user_models, factory, reason):
     config = config_for(module=f"my_models:{factory}")
     with pytest.raises(ModelInterfaceError, match=f"model.module my_models:{factory}: .*{reason}"):
-        plan_sharding(config, 1, "cpu")
+        check_exportable(config.features, config.model, config.tasks())
 
 
 def test_a_bad_user_model_stops_the_worker_with_exit_code_2_and_the_reason(
@@ -130,17 +130,22 @@ def test_a_user_model_that_cannot_be_imported_is_a_config_error_naming_the_field
 def test_the_fingerprint_refuses_a_snapshot_of_another_architecture_and_keeps_dlrms():
     dlrm = config_for()
     assert "net" not in compatibility_fingerprint(dlrm)  # snapshots from before architectures still match
-    for other in (config_for(architecture="dcn_v2"), config_for(architecture="deepfm"), config_for(module="m:f")):
+    others = [config_for(architecture=name) for name in ("dcn_v2", "deepfm", "din")] + [config_for(module="m:f")]
+    for other in others:
         differences = fingerprint_differences(compatibility_fingerprint(other), compatibility_fingerprint(dlrm), other)
         assert differences, other.model
     wider = config_for(architecture="dcn_v2", dcn_v2={"low_rank_dim": 8})
     assert fingerprint_differences(
         compatibility_fingerprint(wider), compatibility_fingerprint(config_for(architecture="dcn_v2")), wider
     )
+    other_history = config_for(architecture="din", din={"history": "brand"})
+    assert fingerprint_differences(
+        compatibility_fingerprint(other_history), compatibility_fingerprint(config_for(architecture="din")), other_history
+    )
 
 
 @pytest.mark.parametrize("multitask", ["shared_bottom", "mmoe", "dbmtl"])
-@pytest.mark.parametrize("name", ["dcn_v2", "deepfm"])
+@pytest.mark.parametrize("name", ["dcn_v2", "deepfm", "din"])
 def test_architecture_composes_with_every_multitask_head(name, multitask):
     tasks = [{"name": "clk", "label": "clk"}, {"name": "buy", "label": "buy", "required": False}]
     if multitask == "dbmtl":
@@ -177,3 +182,10 @@ def test_architecture_dcn_v2_crosses_an_empty_batch_as_torchrec_crosses_a_full_o
     dense, sparse = torch.rand(5, 4), torch.rand(5, 2, 4)
     assert torch.equal(ours(dense, sparse), theirs(dense, sparse))
     assert ours(dense[:0], sparse[:0]).shape == (0, 12)
+
+
+def test_architecture_din_names_two_tables_of_the_features():
+    with pytest.raises(ConfigError, match=r"model\.din\.history: 'clicked' is not in features\.tables"):
+        config_for(architecture="din", din={"history": "clicked"})
+    with pytest.raises(ConfigError, match=r"model\.din: candidate and history are both 'cate_id'"):
+        config_for(architecture="din", din={"history": "cate_id"})

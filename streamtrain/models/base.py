@@ -17,7 +17,8 @@ A model is an ``nn.Module`` made by a factory from a ``ModelSpec``::
 - Its forward must ``torch.export`` with a dynamic batch (the served base is that program), and
   ``torch.fx``-trace as far as its collections' inputs (TorchRec's train pipeline finds them so).
   It must also take an empty batch: a rank with no events trains one (sum, never average, over
-  the batch). streamtrain.models.check_exportable tries the export and the shape at start-up.
+  the batch). streamtrain.delivery.artifact.check_exportable tries the export and the shape at the
+  worker's start-up.
 """
 
 from __future__ import annotations
