@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from torchrec import KeyedJaggedTensor
+from torchrec import JaggedTensor, KeyedJaggedTensor
 from torchrec.models.dlrm import InteractionDCNArch
 from torchrec.modules.crossnet import LowRankCrossNet
 
@@ -24,6 +24,7 @@ from streamtrain.dev.produce import produce
 from streamtrain.model import ClickModel, net_logits
 from streamtrain.models.base import ModelInterfaceError, table_weights
 from streamtrain.models.dcn_v2 import SizedInteractionDCNArch
+from streamtrain.models.din import TargetAttention
 from streamtrain.train import plan_sharding
 from test_delivery_e2e import train_and_follow
 from test_delivery_publisher import WIDE
@@ -189,3 +190,18 @@ def test_architecture_din_names_two_tables_of_the_features():
         config_for(architecture="din", din={"history": "clicked"})
     with pytest.raises(ConfigError, match=r"model\.din: candidate and history are both 'cate_id'"):
         config_for(architecture="din", din={"history": "cate_id"})
+
+
+def test_architecture_din_weighs_each_history_id_by_its_likeness_to_the_candidate_as_a_loop_does():
+    attention = TargetAttention(4, [8], torch.device("cpu"))
+    lengths = torch.tensor([2, 0, 3, 1])  # an event without history reads zeros
+    history = JaggedTensor(values=torch.rand(6, 4), lengths=lengths)
+    query = torch.rand(4, 4)
+    expected = torch.zeros(4, 4)
+    for event, keys in enumerate(history.to_dense()):
+        for key in keys:
+            q = query[event]
+            weight = attention.weight(attention.mlp(torch.cat([q, key, q - key, q * key]).unsqueeze(0)))
+            expected[event] += weight[0, 0] * key
+    assert torch.allclose(attention(query, history), expected, atol=1e-6)
+    assert attention(query[:0], JaggedTensor(values=torch.zeros(0, 4), lengths=lengths[:0])).shape == (0, 4)
