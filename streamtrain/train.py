@@ -28,6 +28,7 @@ from torchrec import JaggedTensor, KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel, comm_ops
 from torchrec.distributed import embedding as torchrec_embedding
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, TopologyFactory, TrainerConfig
@@ -137,27 +138,42 @@ def sharders() -> list:
     return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
 
 
+# TorchRec's sharded EmbeddingCollection sizes its ids' lengths by ``view(-1, stride)``, which a
+# batch of no events (stride 0) cannot size: a rank with no events trains one, and at 1 rank so
+# does the whole step. Such a batch goes through it as one event without ids, and leaves as none.
+
+
+def _one_event_without_ids(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    lengths = torch.zeros(len(features.keys()), dtype=features.lengths().dtype, device=features.lengths().device)
+    return KeyedJaggedTensor(keys=features.keys(), values=features.values(), lengths=lengths, stride=1)
+
+
+_compute_and_output_dist = torchrec_embedding.ShardedEmbeddingCollection.compute_and_output_dist
+
+
+def _compute_and_output_dist_of_any_batch(self: Any, ctx: Any, features: KJTList) -> Any:
+    sized = KJTList([_one_event_without_ids(f) if f.stride() == 0 else f for f in features])
+    return _compute_and_output_dist(self, ctx, sized)
+
+
 _construct_jagged_tensors = torchrec_embedding.construct_jagged_tensors
 
 
 def _construct_jagged_tensors_of_any_batch(
     embeddings: torch.Tensor, features: KeyedJaggedTensor, *args: Any, **kwargs: Any
 ) -> dict[str, JaggedTensor]:
-    """TorchRec's, for an empty batch too: a rank with no events trains one, and TorchRec sizes
-    the sharded EmbeddingCollection's output by ``lengths.view(-1, stride)``, which a stride of 0
-    cannot size. The empty batch goes through as one event without ids, and leaves as none."""
     original = kwargs.get("original_features")
     if (original if original is not None else features).stride() != 0 or kwargs.get("seq_vbe_ctx") is not None:
         return _construct_jagged_tensors(embeddings, features, *args, **kwargs)
-    keys = (original if original is not None else features).keys()
-    one_event = KeyedJaggedTensor(
-        keys=keys, values=features.values(), lengths=torch.zeros(len(keys), dtype=features.lengths().dtype), stride=1
-    )
-    kwargs["original_features"] = None if original is None else one_event
-    built = _construct_jagged_tensors(embeddings, one_event if original is None else features, *args, **kwargs)
+    if original is not None:
+        kwargs["original_features"] = _one_event_without_ids(original)
+    else:
+        features = _one_event_without_ids(features)
+    built = _construct_jagged_tensors(embeddings, features, *args, **kwargs)
     return {key: JaggedTensor(values=jt.values(), lengths=jt.lengths()[:0]) for key, jt in built.items()}
 
 
+torchrec_embedding.ShardedEmbeddingCollection.compute_and_output_dist = _compute_and_output_dist_of_any_batch
 torchrec_embedding.construct_jagged_tensors = _construct_jagged_tensors_of_any_batch
 
 

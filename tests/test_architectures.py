@@ -11,21 +11,26 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 import yaml
 from torchrec import JaggedTensor, KeyedJaggedTensor
 from torchrec.models.dlrm import InteractionDCNArch
 from torchrec.modules.crossnet import LowRankCrossNet
 
-from conftest import REPO, SCHEMA, end_offsets
+from conftest import REPO, SCHEMA, end_offsets, join_as_spawned_rank, leave_spawned_rank
 from streamtrain.checkpoint import compatibility_fingerprint, fingerprint_differences, list_snapshots
 from streamtrain.config import ConfigError, parse_config
+from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.artifact import check_exportable, unsharded_model
-from streamtrain.dev.produce import produce
+from streamtrain.dev.kafka import free_port
+from streamtrain.dev.produce import AvroEncoder, ClickStream, produce
+from streamtrain.device import init_distributed
 from streamtrain.model import ClickModel, net_logits
 from streamtrain.models.base import ModelInterfaceError, table_weights
 from streamtrain.models.dcn_v2 import SizedInteractionDCNArch
 from streamtrain.models.din import TargetAttention
-from streamtrain.train import plan_sharding
+from streamtrain.source import RawEvent
+from streamtrain.train import Trainer, plan_sharding
 from test_delivery_e2e import train_and_follow
 from test_delivery_publisher import WIDE
 
@@ -205,3 +210,27 @@ def test_architecture_din_weighs_each_history_id_by_its_likeness_to_the_candidat
             expected[event] += weight[0, 0] * key
     assert torch.allclose(attention(query, history), expected, atol=1e-6)
     assert attention(query[:0], JaggedTensor(values=torch.zeros(0, 4), lengths=lengths[:0])).shape == (0, 4)
+
+
+def _din_rank(rank: int, world_size: int, port: int, out: str) -> None:
+    join_as_spawned_rank(rank, world_size, port)
+    raw = yaml.safe_load((REPO / "tests" / "worker-small.yaml").read_text())
+    raw["kafka"] = {"bootstrap_servers": "unused:9092", "topic": "unused"}
+    raw["model"]["architecture"] = "din"
+    raw["features"]["tables"][-1]["sharding_types"] = ["row_wise"]  # recent_cate_ids, the history
+    config = parse_config(raw, environ={})
+    decoder = AvroBatchDecoder(config.features)
+    encoder = AvroEncoder(SCHEMA)
+    events = [RawEvent(0, i, encoder.encode(r), 0) for i, r in enumerate(ClickStream(3, 0).chunk(128).records)]
+    batches = [decoder.decode(part).batch.in_global_step(len(part), 1) for part in (events[:64], [], events[64:])]
+    trainer = Trainer(config, init_distributed())
+    sizes = [result.batch.size for result in trainer.train(iter(batches))]
+    Path(out, "sizes").write_text(repr(sizes))
+    leave_spawned_rank()
+
+
+def test_architecture_din_trains_a_step_without_events_at_one_rank(tmp_path):
+    """At one rank an idle step's batch has no events at all, which TorchRec's sharded
+    EmbeddingCollection cannot size (streamtrain/train.py makes it one event without ids)."""
+    mp.spawn(_din_rank, args=(1, free_port(), str(tmp_path)), nprocs=1)
+    assert (tmp_path / "sizes").read_text() == "[64, 0, 64]"
