@@ -20,6 +20,7 @@ from streamtrain.checkpoint import Checkpointer, CheckpointError, StreamState
 from streamtrain.config import AdmissionConfig, ConfigError, TableConfig, parse_config
 from streamtrain.decode import AvroBatchDecoder, ClickBatch
 from streamtrain.dev.kafka import free_port
+from streamtrain.delivery.publisher import table_keys
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 from streamtrain.device import gloo_group, init_distributed
 from streamtrain.idspace import IdMapping, IdSpace, TableIds, TableStep
@@ -306,9 +307,11 @@ def rank_batches(decoder: AvroBatchDecoder, rank: int, world_size: int, steps: l
     return out
 
 
-def _consistency_rank(rank: int, world_size: int, port: int, out: str, optimizer: str) -> None:
+def _consistency_rank(rank: int, world_size: int, port: int, out: str, optimizer: str, architecture: str) -> None:
     join_as_spawned_rank(rank, world_size, port)
-    config = parse_config(managed_raw(optimizer, {"user_id": "column_wise", "adgroup_id": "table_wise"}), environ={})
+    raw = managed_raw(optimizer, {"user_id": "column_wise", "adgroup_id": "table_wise"}, MANAGED_UNDER[architecture])
+    raw["model"]["architecture"] = architecture
+    config = parse_config(raw, environ={})
     trainer = Trainer(config, init_distributed())
     id_space = trainer.id_space
     assert id_space is not None and id_space.resetter is not None
@@ -345,15 +348,17 @@ def _consistency_rank(rank: int, world_size: int, port: int, out: str, optimizer
     id_space.before_forward = forward_after_checking_the_reset  # type: ignore[method-assign]
     decoder = AvroBatchDecoder(config.features)
     batches = rank_batches(decoder, rank, world_size, global_batches())
-    raw = {name: [b.sparse_features[name].values() for b in batches] for name in ROWS}
+    managed = MANAGED_UNDER[architecture]
+    raw = {name: [b.sparse_features[name].values() for b in batches] for name in managed}
     pairs = []
     for result in trainer.train(iter(batches)):
-        for name in ROWS:
+        for name in managed:
             rows = result.batch.sparse_features[name].values().tolist()
             raw_ids = raw[name][result.step - 1].tolist()
             pairs += [(result.step, name, i, r) for i, r in zip(raw_ids, rows, strict=True)]
     # The state dict's tensors are the kernel's own: the resets above are what trains and is saved.
-    state = trainer.model.state_dict()["dlrm.sparse_arch.embedding_bag_collection.embedding_bags.adgroup_id.weight"]
+    whole = trainer.model.state_dict()
+    state = whole[table_keys(whole, trainer.plan)["adgroup_id"]]
     shards = state.to_local().local_shards() if hasattr(state.to_local(), "local_shards") else []
     for shard in shards:
         assert (
@@ -366,16 +371,25 @@ def _consistency_rank(rank: int, world_size: int, port: int, out: str, optimizer
     leave_spawned_rank()
 
 
-@pytest.mark.parametrize("optimizer", ["row_wise_adagrad", "adagrad", "sgd"])
-def test_two_ranks_map_every_id_to_one_row_alone_and_evicted_rows_start_fresh(tmp_path, optimizer):
-    mp.spawn(_consistency_rank, args=(2, free_port(), str(tmp_path), optimizer), nprocs=2)
+# Under din the history is managed too: its table is unpooled, in fbgemm's sequence kernel.
+MANAGED_UNDER = {"dlrm": ROWS, "dcn_v2": ROWS, "deepfm": ROWS, "din": {**ROWS, "recent_cate_ids": 300}}
+
+
+# Each optimizer once and each architecture once: the resets are written into the kernels whatever
+# model holds them, so the pairs cover both without the product of the two.
+@pytest.mark.parametrize(
+    ("optimizer", "architecture"),
+    [("row_wise_adagrad", "dlrm"), ("adagrad", "dcn_v2"), ("sgd", "deepfm"), ("row_wise_adagrad", "din")],
+)
+def test_two_ranks_map_every_id_to_one_row_alone_and_evicted_rows_start_fresh(tmp_path, optimizer, architecture):
+    mp.spawn(_consistency_rank, args=(2, free_port(), str(tmp_path), optimizer, architecture), nprocs=2)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
 
     # rank-consistent: both ranks hold the same map, ahead and at the cut
     assert_same_state(results[0]["at_cut"], results[1]["at_cut"])
     assert_same_state(results[0]["ahead"], results[0]["at_cut"])
     # collision-free over the ranks: at each step an id has one row, and a row one id (but unknown)
-    unknown = {name: rows - 1 for name, rows in ROWS.items()}
+    unknown = {name: rows - 1 for name, rows in MANAGED_UNDER[architecture].items()}
     row_of: dict[tuple, set[int]] = defaultdict(set)
     id_of: dict[tuple, set[int]] = defaultdict(set)
     readers: dict[tuple, set[int]] = defaultdict(set)

@@ -7,7 +7,7 @@ from torchrec import EmbeddingBagConfig
 from torchrec.models.dlrm import InteractionArch, SparseArch
 
 from streamtrain.bench.kernels import RegroupedEmbeddings
-from streamtrain.model import FlatInteractionArch, KeyedInteractionArch, KeyedSparseArch
+from streamtrain.models.dlrm import FlatInteractionArch, KeyedInteractionArch, KeyedSparseArch
 from streamtrain.train import dense_adam
 
 
