@@ -146,7 +146,9 @@ def test_the_fingerprint_refuses_a_snapshot_of_another_architecture_and_keeps_dl
     )
     other_history = config_for(architecture="din", din={"history": "brand"})
     assert fingerprint_differences(
-        compatibility_fingerprint(other_history), compatibility_fingerprint(config_for(architecture="din")), other_history
+        compatibility_fingerprint(other_history),
+        compatibility_fingerprint(config_for(architecture="din")),
+        other_history,
     )
 
 

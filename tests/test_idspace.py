@@ -19,8 +19,8 @@ from conftest import REPO, SCHEMA, join_as_spawned_rank, leave_spawned_rank
 from streamtrain.checkpoint import Checkpointer, CheckpointError, StreamState
 from streamtrain.config import AdmissionConfig, ConfigError, TableConfig, parse_config
 from streamtrain.decode import AvroBatchDecoder, ClickBatch
-from streamtrain.dev.kafka import free_port
 from streamtrain.delivery.publisher import table_keys
+from streamtrain.dev.kafka import free_port
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 from streamtrain.device import gloo_group, init_distributed
 from streamtrain.idspace import IdMapping, IdSpace, TableIds, TableStep

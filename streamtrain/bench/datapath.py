@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from streamtrain.bench.common import SCHEMA, machine, worker_device
 from streamtrain.threads import DECODE, PREFETCH
@@ -235,7 +236,10 @@ def read_backlog(config, bootstrap_servers: str, topic: str, threads: int, batch
     rejections = Rejections(config.dead_letter.model_copy(update={"enabled": False}), kafka, metrics, rank=1)
     decoder = _CpuTimed(AvroBatchDecoder(config.features, tasks=config.tasks(), threads=threads))
     source = KafkaSource(kafka, until_end=True, committed=False)
-    prefetcher = Prefetcher(source, decoder, batching, metrics, rejections, device=torch.device(device))
+    # the worker's decoder, its decode calls timed: the Prefetcher calls nothing else of it
+    prefetcher = Prefetcher(
+        source, cast(AvroBatchDecoder, decoder), batching, metrics, rejections, device=torch.device(device)
+    )
     try:
         prefetcher.start()
         first = None

@@ -130,7 +130,6 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     return result
 
 
-
 def leg_config(raw: dict, tables: list[str], mapping: str, rows: int, managed: dict | None = None) -> WorkerConfig:
     """The config at ``raw`` with each of ``tables`` at ``rows`` rows under ``mapping``, trained on
     clk alone; ``managed`` is merged into each table's section when ``mapping`` is managed."""
