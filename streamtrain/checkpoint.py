@@ -186,7 +186,7 @@ def _architecture(config: WorkerConfig) -> dict[str, Any]:
     model = config.model
     if model.module is not None:
         return {"net": {"module": model.module, "options": dict(model.options)}}
-    settings = {"dcn_v2": model.dcn_v2, "deepfm": model.deepfm}.get(model.architecture)
+    settings = {"dcn_v2": model.dcn_v2, "deepfm": model.deepfm, "din": model.din}.get(model.architecture)
     if settings is None:
         return {}
     return {"net": {"architecture": model.architecture, **settings.model_dump(mode="json")}}

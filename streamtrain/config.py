@@ -565,8 +565,26 @@ class DeepFMConfig(_Strict):
     )
 
 
+class DINConfig(_Strict):
+    """din's target attention: the candidate's embedding attends over each id of a history feature,
+    kept unpooled in an EmbeddingCollection (streamtrain/models/din.py)."""
+
+    candidate: str = Field(default="cate_id", min_length=1, description="The table whose embedding is the query.")
+    history: str = Field(
+        default="recent_cate_ids",
+        min_length=1,
+        description="The table whose ids are attended over, unpooled; every feature sharing its table is too.",
+    )
+    attention_layer_sizes: list[int] = Field(
+        default=[32],
+        min_length=1,
+        description="The attention MLP over [query, key, query - key, query * key] of each history id, before its "
+        "one weight.",
+    )
+
+
 # The architectures streamtrain ships (streamtrain/models/); model.module names a user's instead.
-ArchitectureName = Literal["dlrm", "dcn_v2", "deepfm"]
+ArchitectureName = Literal["dlrm", "dcn_v2", "deepfm", "din"]
 
 
 class ModelConfig(_Strict):
@@ -575,7 +593,7 @@ class ModelConfig(_Strict):
 
     architecture: ArchitectureName = Field(
         default="dlrm",
-        description="The built-in architecture trained: dlrm, dcn_v2 or deepfm (docs/models.md).",
+        description="The built-in architecture trained: dlrm, dcn_v2, deepfm or din (docs/models.md).",
     )
     module: str | None = Field(
         default=None,
@@ -588,6 +606,7 @@ class ModelConfig(_Strict):
     )
     dcn_v2: DCNv2Config = Field(default=DCNv2Config(), description="dcn_v2's cross layers.")
     deepfm: DeepFMConfig = Field(default=DeepFMConfig(), description="deepfm's deep layer.")
+    din: DINConfig = Field(default=DINConfig(), description="din's candidate, history and attention MLP.")
     dense_arch_layer_sizes: list[int] = Field(
         default=[64, 16],
         description="The dense arch's MLP over the dense features; the last size must equal the tables' embedding_dim.",
@@ -1035,6 +1054,20 @@ class WorkerConfig(_Strict):
                     f"differently, so equal rows would not mean equal ids; give them the same num_embeddings and "
                     f"id_mapping (not managed), or set features.tables: shares_table_with on {match.history!r}"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _din_attends_over_two_tables(self) -> WorkerConfig:
+        if self.model.architecture != "din":
+            return self
+        tables = {t.name for t in self.features.tables}
+        din = self.model.din
+        for role in ("candidate", "history"):
+            name = getattr(din, role)
+            if name not in tables:
+                raise ValueError(f"model.din.{role}: {name!r} is not in features.tables; name one of {sorted(tables)}")
+        if din.candidate == din.history:
+            raise ValueError(f"model.din: candidate and history are both {din.candidate!r}; name two features")
         return self
 
     def model_record(self) -> dict[str, Any]:

@@ -871,13 +871,14 @@ class RowResetter:
     step, and cut to each shard, so every sharding gives a row the same values."""
 
     def __init__(self, model: nn.Module, tables: Sequence[TableConfig], seed: int):
-        from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
+        from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbedding, BaseBatchedEmbeddingBag
 
         self.seed = seed
         self.order = {t.name: i for i, t in enumerate(tables)}
         self.tables = {t.name: t for t in tables}
         self.shards: dict[str, list[_Shard]] = {t.name: [] for t in tables}
-        for module in _kernels(model, BaseBatchedEmbeddingBag):
+        # Pooled tables' kernels, and unpooled ones' (a sequence's, din's history).
+        for module in _kernels(model, (BaseBatchedEmbeddingBag, BaseBatchedEmbedding)):
             if not any(shard.name in self.shards for shard in module.config.embedding_tables):
                 continue
             kernel = module.emb_module
@@ -912,7 +913,7 @@ class RowResetter:
                     state[local] = 0
 
 
-def _kernels(model: nn.Module, kind: type[nn.Module]) -> list[nn.Module]:
+def _kernels(model: nn.Module, kind: type[nn.Module] | tuple[type[nn.Module], ...]) -> list[nn.Module]:
     """The modules of ``kind`` in ``model``'s sharded collections, whose lookups TorchRec keeps in a
     plain list that ``nn.Module.modules()`` does not walk."""
     found: dict[int, nn.Module] = {}

@@ -12,19 +12,8 @@ from torchrec import KeyedJaggedTensor
 from streamtrain.config import FeaturesConfig, ModelConfig, TaskConfig
 from streamtrain.decode import ClickBatch
 from streamtrain.models import factory, net_name
-from streamtrain.models.base import ModelSpec, check_tables, embedding_configs
-from streamtrain.models.dlrm import FlatInteractionArch, KeyedInteractionArch, KeyedSparseArch
+from streamtrain.models.base import ModelSpec, check_tables
 from streamtrain.target_match import match_counts
-
-# DLRM's parts lived here before streamtrain/models/ did; importers of them keep working.
-__all__ = [
-    "ClickModel",
-    "FlatInteractionArch",
-    "KeyedInteractionArch",
-    "KeyedSparseArch",
-    "embedding_configs",
-    "net_logits",
-]
 
 # TrainPipelineSparseDist traces the model with torch.fx to find the sharded tables' inputs; the
 # counts branch on the batch's size, which a trace cannot follow, and feed no table: one node.
@@ -42,7 +31,7 @@ def net_logits(
 
 
 class ClickModel(nn.Module):
-    """The net (the architecture, under its own name: ``dlrm``, ``dcn_v2``, ``deepfm``, or
+    """The net (the architecture, under its own name: ``dlrm``, ``dcn_v2``, ``deepfm``, ``din``, or
     ``module`` for a user's factory, so a snapshot's parameter names say which it is), and the loss.
 
     ``forward`` returns what TorchRec's train pipelines expect: (loss to backpropagate, output).

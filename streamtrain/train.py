@@ -24,7 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
+from torchrec import JaggedTensor, KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel, comm_ops
+from torchrec.distributed import embedding as torchrec_embedding
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embedding_types import KJTList
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
 from torchrec.distributed.planner.types import HardwareConfig, KernelConfig, TopologyFactory, TrainerConfig
@@ -48,7 +52,6 @@ from streamtrain.device import (
 from streamtrain.idspace import IdSpace, RowResetter, managed_tables
 from streamtrain.metrics import IdSpaceMetrics
 from streamtrain.model import ClickModel
-from streamtrain.models import check_exportable
 from streamtrain.models.base import table_weights
 from streamtrain.threads import profiled
 
@@ -130,6 +133,50 @@ class StepResult:
 _GIB = 2**30
 
 
+def sharders() -> list:
+    """The sharders of every kind of collection a model may hold: pooled tables and unpooled (a sequence's)."""
+    return [EmbeddingBagCollectionSharder(), EmbeddingCollectionSharder()]
+
+
+# TorchRec's sharded EmbeddingCollection sizes its ids' lengths by ``view(-1, stride)``, which a
+# batch of no events (stride 0) cannot size: a rank with no events trains one, and at 1 rank so
+# does the whole step. Such a batch goes through it as one event without ids, and leaves as none.
+
+
+def _one_event_without_ids(features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    lengths = torch.zeros(len(features.keys()), dtype=features.lengths().dtype, device=features.lengths().device)
+    return KeyedJaggedTensor(keys=features.keys(), values=features.values(), lengths=lengths, stride=1)
+
+
+_compute_and_output_dist = torchrec_embedding.ShardedEmbeddingCollection.compute_and_output_dist
+
+
+def _compute_and_output_dist_of_any_batch(self: Any, ctx: Any, features: KJTList) -> Any:
+    sized = KJTList([_one_event_without_ids(f) if f.stride() == 0 else f for f in features])
+    return _compute_and_output_dist(self, ctx, sized)
+
+
+_construct_jagged_tensors = torchrec_embedding.construct_jagged_tensors
+
+
+def _construct_jagged_tensors_of_any_batch(
+    embeddings: torch.Tensor, features: KeyedJaggedTensor, *args: Any, **kwargs: Any
+) -> dict[str, JaggedTensor]:
+    original = kwargs.get("original_features")
+    if (original if original is not None else features).stride() != 0 or kwargs.get("seq_vbe_ctx") is not None:
+        return _construct_jagged_tensors(embeddings, features, *args, **kwargs)
+    if original is not None:
+        kwargs["original_features"] = _one_event_without_ids(original)
+    else:
+        features = _one_event_without_ids(features)
+    built = _construct_jagged_tensors(embeddings, features, *args, **kwargs)
+    return {key: JaggedTensor(values=jt.values(), lengths=jt.lengths()[:0]) for key, jt in built.items()}
+
+
+torchrec_embedding.ShardedEmbeddingCollection.compute_and_output_dist = _compute_and_output_dist_of_any_batch
+torchrec_embedding.construct_jagged_tensors = _construct_jagged_tensors_of_any_batch
+
+
 def topology(
     config: WorkerConfig,
     world_size: int,
@@ -183,8 +230,6 @@ def plan_sharding(
     and the dense layers stay on the meta device too. ``planner_topology`` defaults to
     ``topology(config, world_size, compute_device, device=dense_device)``.
     """
-    if config.model.module is not None:
-        check_exportable(config.features, config.model, config.tasks())
     model = ClickModel(config.features, config.model, config.tasks(), dense_device or torch.device("meta"))
     apply_optimizer_in_backward(
         _SPARSE_OPTIMIZERS[config.model.sparse_optimizer],
@@ -195,8 +240,7 @@ def plan_sharding(
         topology=planner_topology or topology(config, world_size, compute_device, device=dense_device),
         constraints=_constraints(config),
     )
-    sharders = [EmbeddingBagCollectionSharder()]
-    plan = planner.collective_plan(model, sharders, pg) if pg is not None else planner.plan(model, sharders)
+    plan = planner.collective_plan(model, sharders(), pg) if pg is not None else planner.plan(model, sharders())
     return model, plan
 
 
@@ -370,12 +414,11 @@ class Trainer:
         model, self.plan = plan_sharding(
             config, env.world_size, env.device.type, dist.group.WORLD, env.device, planner_topology
         )
-        sharders = [EmbeddingBagCollectionSharder()]
         self.model = DistributedModelParallel(
             module=model,
             device=env.device,
             plan=self.plan,
-            sharders=sharders,
+            sharders=sharders(),
             # DTensor state lets dcp.async_save stage the sharded tables (ShardedTensor cannot).
             env=ShardingEnv(env.world_size, env.rank, dist.group.WORLD, output_dtensor=True),
         )

@@ -27,6 +27,7 @@ from streamtrain.checkpoint import (
 from streamtrain.config import WorkerConfig
 from streamtrain.deadletter import Rejections
 from streamtrain.decode import AvroBatchDecoder
+from streamtrain.delivery.artifact import check_exportable
 from streamtrain.delivery.publisher import Publisher
 from streamtrain.device import decode_threads, gloo_group, init_distributed
 from streamtrain.lockstep import Lockstep, SnapshotSchedule
@@ -252,6 +253,8 @@ def _run(
     resources.callback(metrics.close)
     log.info("rank %d/%d: metrics on http://%s:%d/metrics", env.rank, env.world_size, config.metrics.host, port)
 
+    if config.model.module is not None:  # a user's model is refused here, before any table is planned
+        check_exportable(config.features, config.model, config.tasks())
     trainer = Trainer(config, env, metrics.idspace)
     if env.rank == 0:
         log.info("sharding plan:\n%s", describe_plan(trainer.plan, config, env.world_size))

@@ -11,20 +11,26 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 import yaml
-from torchrec import KeyedJaggedTensor
+from torchrec import JaggedTensor, KeyedJaggedTensor
 from torchrec.models.dlrm import InteractionDCNArch
 from torchrec.modules.crossnet import LowRankCrossNet
 
-from conftest import REPO, SCHEMA, end_offsets
+from conftest import REPO, SCHEMA, end_offsets, join_as_spawned_rank, leave_spawned_rank
 from streamtrain.checkpoint import compatibility_fingerprint, fingerprint_differences, list_snapshots
 from streamtrain.config import ConfigError, parse_config
-from streamtrain.delivery.artifact import unsharded_model
-from streamtrain.dev.produce import produce
+from streamtrain.decode import AvroBatchDecoder
+from streamtrain.delivery.artifact import check_exportable, unsharded_model
+from streamtrain.dev.kafka import free_port
+from streamtrain.dev.produce import AvroEncoder, ClickStream, produce
+from streamtrain.device import init_distributed
 from streamtrain.model import ClickModel, net_logits
 from streamtrain.models.base import ModelInterfaceError, table_weights
 from streamtrain.models.dcn_v2 import SizedInteractionDCNArch
-from streamtrain.train import plan_sharding
+from streamtrain.models.din import TargetAttention
+from streamtrain.source import RawEvent
+from streamtrain.train import Trainer, plan_sharding
 from test_delivery_e2e import train_and_follow
 from test_delivery_publisher import WIDE
 
@@ -32,6 +38,7 @@ USER_MODELS = Path(__file__).resolve().parent / "user_models"
 ARCHITECTURES = {
     "dcn_v2": {"STREAMTRAIN_MODEL__ARCHITECTURE": "dcn_v2"},
     "deepfm": {"STREAMTRAIN_MODEL__ARCHITECTURE": "deepfm"},
+    "din": {"STREAMTRAIN_MODEL__ARCHITECTURE": "din"},
     "user_model": {"STREAMTRAIN_MODEL__MODULE": "my_models:build", "STREAMTRAIN_MODEL__OPTIONS": "{hidden: 24}"},
 }
 
@@ -51,7 +58,7 @@ def config_for(**model) -> object:
 
 
 # Each model trains at 1 and 2 ranks: served from one, killed and restored at the other.
-SERVED_AT = {"dcn_v2": 2, "deepfm": 1, "user_model": 2}
+SERVED_AT = {"dcn_v2": 2, "deepfm": 1, "din": 2, "user_model": 2}
 
 
 @pytest.mark.integration
@@ -108,7 +115,7 @@ def test_architecture_restores_exactly_once_after_a_sigkill(
 def test_a_bad_user_model_is_refused_at_start_up_with_the_reason(user_models, factory, reason):
     config = config_for(module=f"my_models:{factory}")
     with pytest.raises(ModelInterfaceError, match=f"model.module my_models:{factory}: .*{reason}"):
-        plan_sharding(config, 1, "cpu")
+        check_exportable(config.features, config.model, config.tasks())
 
 
 def test_a_bad_user_model_stops_the_worker_with_exit_code_2_and_the_reason(
@@ -129,17 +136,24 @@ def test_a_user_model_that_cannot_be_imported_is_a_config_error_naming_the_field
 def test_the_fingerprint_refuses_a_snapshot_of_another_architecture_and_keeps_dlrms():
     dlrm = config_for()
     assert "net" not in compatibility_fingerprint(dlrm)  # snapshots from before architectures still match
-    for other in (config_for(architecture="dcn_v2"), config_for(architecture="deepfm"), config_for(module="m:f")):
+    others = [config_for(architecture=name) for name in ("dcn_v2", "deepfm", "din")] + [config_for(module="m:f")]
+    for other in others:
         differences = fingerprint_differences(compatibility_fingerprint(other), compatibility_fingerprint(dlrm), other)
         assert differences, other.model
     wider = config_for(architecture="dcn_v2", dcn_v2={"low_rank_dim": 8})
     assert fingerprint_differences(
         compatibility_fingerprint(wider), compatibility_fingerprint(config_for(architecture="dcn_v2")), wider
     )
+    other_history = config_for(architecture="din", din={"history": "brand"})
+    assert fingerprint_differences(
+        compatibility_fingerprint(other_history),
+        compatibility_fingerprint(config_for(architecture="din")),
+        other_history,
+    )
 
 
 @pytest.mark.parametrize("multitask", ["shared_bottom", "mmoe", "dbmtl"])
-@pytest.mark.parametrize("name", ["dcn_v2", "deepfm"])
+@pytest.mark.parametrize("name", ["dcn_v2", "deepfm", "din"])
 def test_architecture_composes_with_every_multitask_head(name, multitask):
     tasks = [{"name": "clk", "label": "clk"}, {"name": "buy", "label": "buy", "required": False}]
     if multitask == "dbmtl":
@@ -176,3 +190,49 @@ def test_architecture_dcn_v2_crosses_an_empty_batch_as_torchrec_crosses_a_full_o
     dense, sparse = torch.rand(5, 4), torch.rand(5, 2, 4)
     assert torch.equal(ours(dense, sparse), theirs(dense, sparse))
     assert ours(dense[:0], sparse[:0]).shape == (0, 12)
+
+
+def test_architecture_din_names_two_tables_of_the_features():
+    with pytest.raises(ConfigError, match=r"model\.din\.history: 'clicked' is not in features\.tables"):
+        config_for(architecture="din", din={"history": "clicked"})
+    with pytest.raises(ConfigError, match=r"model\.din: candidate and history are both 'cate_id'"):
+        config_for(architecture="din", din={"history": "cate_id"})
+
+
+def test_architecture_din_weighs_each_history_id_by_its_likeness_to_the_candidate_as_a_loop_does():
+    attention = TargetAttention(4, [8], torch.device("cpu"))
+    lengths = torch.tensor([2, 0, 3, 1])  # an event without history reads zeros
+    history = JaggedTensor(values=torch.rand(6, 4), lengths=lengths)
+    query = torch.rand(4, 4)
+    expected = torch.zeros(4, 4)
+    for event, keys in enumerate(history.to_dense()):
+        for key in keys:
+            q = query[event]
+            weight = attention.weight(attention.mlp(torch.cat([q, key, q - key, q * key]).unsqueeze(0)))
+            expected[event] += weight[0, 0] * key
+    assert torch.allclose(attention(query, history), expected, atol=1e-6)
+    assert attention(query[:0], JaggedTensor(values=torch.zeros(0, 4), lengths=lengths[:0])).shape == (0, 4)
+
+
+def _din_rank(rank: int, world_size: int, port: int, out: str) -> None:
+    join_as_spawned_rank(rank, world_size, port)
+    raw = yaml.safe_load((REPO / "tests" / "worker-small.yaml").read_text())
+    raw["kafka"] = {"bootstrap_servers": "unused:9092", "topic": "unused"}
+    raw["model"]["architecture"] = "din"
+    raw["features"]["tables"][-1]["sharding_types"] = ["row_wise"]  # recent_cate_ids, the history
+    config = parse_config(raw, environ={})
+    decoder = AvroBatchDecoder(config.features)
+    encoder = AvroEncoder(SCHEMA)
+    events = [RawEvent(0, i, encoder.encode(r), 0) for i, r in enumerate(ClickStream(3, 0).chunk(128).records)]
+    batches = [decoder.decode(part).batch.in_global_step(len(part), 1) for part in (events[:64], [], events[64:])]
+    trainer = Trainer(config, init_distributed())
+    sizes = [result.batch.size for result in trainer.train(iter(batches))]
+    Path(out, "sizes").write_text(repr(sizes))
+    leave_spawned_rank()
+
+
+def test_architecture_din_trains_a_step_without_events_at_one_rank(tmp_path):
+    """At one rank an idle step's batch has no events at all, which TorchRec's sharded
+    EmbeddingCollection cannot size (streamtrain/train.py makes it one event without ids)."""
+    mp.spawn(_din_rank, args=(1, free_port(), str(tmp_path)), nprocs=1)
+    assert (tmp_path / "sizes").read_text() == "[64, 0, 64]"

@@ -362,7 +362,7 @@ def test_decode_benchmark_runs_both_decoders_and_reports_a_ratio_on_the_cpu_devi
 
 def test_quality_benchmark_reports_each_tasks_progressive_holdout_and_bayes_auc_per_architecture():
     saved = _bench("quality", "--quick", "--config", str(SMALL_CONFIG))
-    models = {"dlrm", "dcn_v2", "deepfm"}
+    models = {"dlrm", "dcn_v2", "deepfm", "din"}
     assert set(saved["architectures"]) == {"clk_alone", "shared_bottom", "mmoe", "dbmtl", *models}
     assert set(saved["architectures"]["clk_alone"]["tasks"]) == {"clk"}
     for name in ("shared_bottom", "mmoe", "dbmtl", *models):

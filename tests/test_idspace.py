@@ -19,6 +19,7 @@ from conftest import REPO, SCHEMA, join_as_spawned_rank, leave_spawned_rank
 from streamtrain.checkpoint import Checkpointer, CheckpointError, StreamState
 from streamtrain.config import AdmissionConfig, ConfigError, TableConfig, parse_config
 from streamtrain.decode import AvroBatchDecoder, ClickBatch
+from streamtrain.delivery.publisher import table_keys
 from streamtrain.dev.kafka import free_port
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 from streamtrain.device import gloo_group, init_distributed
@@ -309,9 +310,11 @@ def rank_batches(decoder: AvroBatchDecoder, rank: int, world_size: int, steps: l
     return out
 
 
-def _consistency_rank(rank: int, world_size: int, port: int, out: str, optimizer: str) -> None:
+def _consistency_rank(rank: int, world_size: int, port: int, out: str, optimizer: str, architecture: str) -> None:
     join_as_spawned_rank(rank, world_size, port)
-    config = parse_config(managed_raw(optimizer, {"user_id": "column_wise", "adgroup_id": "table_wise"}), environ={})
+    raw = managed_raw(optimizer, {"user_id": "column_wise", "adgroup_id": "table_wise"}, MANAGED_UNDER[architecture])
+    raw["model"]["architecture"] = architecture
+    config = parse_config(raw, environ={})
     trainer = Trainer(config, init_distributed())
     id_space = trainer.id_space
     assert id_space is not None and id_space.resetter is not None
@@ -348,15 +351,17 @@ def _consistency_rank(rank: int, world_size: int, port: int, out: str, optimizer
     id_space.before_forward = forward_after_checking_the_reset  # type: ignore[method-assign]
     decoder = AvroBatchDecoder(config.features)
     batches = rank_batches(decoder, rank, world_size, global_batches())
-    raw = {name: [b.sparse_features[name].values() for b in batches] for name in ROWS}
+    managed = MANAGED_UNDER[architecture]
+    raw = {name: [b.sparse_features[name].values() for b in batches] for name in managed}
     pairs = []
     for result in trainer.train(iter(batches)):
-        for name in ROWS:
+        for name in managed:
             rows = result.batch.sparse_features[name].values().tolist()
             raw_ids = raw[name][result.step - 1].tolist()
             pairs += [(result.step, name, i, r) for i, r in zip(raw_ids, rows, strict=True)]
     # The state dict's tensors are the kernel's own: the resets above are what trains and is saved.
-    state = trainer.model.state_dict()["dlrm.sparse_arch.embedding_bag_collection.embedding_bags.adgroup_id.weight"]
+    whole = trainer.model.state_dict()
+    state = whole[table_keys(whole, trainer.plan)["adgroup_id"]]
     shards = state.to_local().local_shards() if hasattr(state.to_local(), "local_shards") else []
     for shard in shards:
         assert (
@@ -369,21 +374,35 @@ def _consistency_rank(rank: int, world_size: int, port: int, out: str, optimizer
     leave_spawned_rank()
 
 
+# Under din the history is managed too: its table is unpooled, in fbgemm's sequence kernel.
+MANAGED_UNDER = {"dlrm": ROWS, "dcn_v2": ROWS, "deepfm": ROWS, "din": {**ROWS, "recent_cate_ids": 300}}
+
+
+# Each optimizer once and each architecture once: the resets are written into the kernels whatever
+# model holds them, so the pairs cover both without the product of the two. Three ranks once, so
+# that the buckets are not split evenly.
 @pytest.mark.parametrize(
-    "optimizer, world_size", [("row_wise_adagrad", 2), ("adagrad", 2), ("sgd", 2), ("row_wise_adagrad", 3)]
+    ("optimizer", "architecture", "world_size"),
+    [("row_wise_adagrad", "dlrm", 2), ("adagrad", "dcn_v2", 2), ("sgd", "deepfm", 2), ("row_wise_adagrad", "din", 3)],
 )
-def test_ranks_map_every_id_to_one_row_alone_and_evicted_rows_start_fresh(tmp_path, optimizer, world_size):
-    mp.spawn(_consistency_rank, args=(world_size, free_port(), str(tmp_path), optimizer), nprocs=world_size)
+def test_ranks_map_every_id_to_one_row_alone_and_evicted_rows_start_fresh(
+    tmp_path, optimizer, architecture, world_size
+):
+    mp.spawn(
+        _consistency_rank,
+        args=(world_size, free_port(), str(tmp_path), optimizer, architecture),
+        nprocs=world_size,
+    )
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
     # rank-consistent: each rank holds its buckets' map, and together they are the map one process
     # builds from the same global steps; every batch has trained, so the cut is the map itself
     for result in results:
         assert_same_state(result["ahead"], result["at_cut"])
-    assert_same_state(merged([r["at_cut"] for r in results]), oracle(global_batches()))
+    assert_same_state(merged([r["at_cut"] for r in results]), oracle(global_batches(), MANAGED_UNDER[architecture]))
     assert all(set(r["at_cut"]["user_id"]) for r in results), "a rank owns no bucket"
     # collision-free over the ranks: at each step an id has one row, and a row one id (but unknown)
-    unknown = {name: rows - 1 for name, rows in ROWS.items()}
+    unknown = {name: rows - 1 for name, rows in MANAGED_UNDER[architecture].items()}
     row_of: dict[tuple, set[int]] = defaultdict(set)
     id_of: dict[tuple, set[int]] = defaultdict(set)
     readers: dict[tuple, set[int]] = defaultdict(set)

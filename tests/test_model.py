@@ -7,7 +7,7 @@ from torchrec import EmbeddingBagConfig
 from torchrec.models.dlrm import InteractionArch, SparseArch
 
 from streamtrain.bench.kernels import RegroupedEmbeddings
-from streamtrain.model import FlatInteractionArch, KeyedInteractionArch, KeyedSparseArch
+from streamtrain.models.dlrm import FlatInteractionArch, KeyedInteractionArch, KeyedSparseArch
 from streamtrain.train import dense_adam
 
 
@@ -27,7 +27,12 @@ def test_flat_interaction_equals_torchrecs_forward_and_backward(features):
     (ours, ours_dense, ours_sparse), (theirs, theirs_dense, theirs_sparse) = gradients[1], gradients[0]
     assert torch.equal(ours, theirs)
     assert torch.equal(ours_dense, theirs_dense)
-    assert (ours_sparse is None and theirs_sparse is None) or torch.equal(ours_sparse, theirs_sparse)
+    if features == 0:
+        assert ours_sparse is None and theirs_sparse is None
+    else:
+        # to rounding: each feature's gradient is a sum over the others, and the batched matmul
+        # orders that sum per CPU (bit-equal on the Intel hosts, 1e-13 apart on an AMD one)
+        torch.testing.assert_close(ours_sparse, theirs_sparse, rtol=1e-12, atol=1e-14)
 
 
 def test_flat_interaction_keeps_the_state_dict_torchrecs_has():

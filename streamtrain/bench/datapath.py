@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from streamtrain.bench.common import SCHEMA, machine, worker_device
 from streamtrain.threads import DECODE, PREFETCH
@@ -182,7 +183,7 @@ class BacklogRead:
     events: int  # handed over after the first batch
     seconds: float
     cpu: dict[str, float]  # CPU-seconds by thread group (DATA_PATH_GROUPS), in the same window
-    decoding: float  # CPU-seconds of the prefetch thread's in its decoder calls
+    decoding: float  # CPU-seconds of the prefetch thread's in its decoder calls, at the window's rate
     busiest_librdkafka: float  # CPU-seconds of librdkafka's busiest thread (its broker thread)
 
     @staticmethod
@@ -235,17 +236,20 @@ def read_backlog(config, bootstrap_servers: str, topic: str, threads: int, batch
     rejections = Rejections(config.dead_letter.model_copy(update={"enabled": False}), kafka, metrics, rank=1)
     decoder = _CpuTimed(AvroBatchDecoder(config.features, tasks=config.tasks(), threads=threads))
     source = KafkaSource(kafka, until_end=True, committed=False)
-    prefetcher = Prefetcher(source, decoder, batching, metrics, rejections, device=torch.device(device))
+    # the worker's decoder, its decode calls timed: the Prefetcher calls nothing else of it
+    prefetcher = Prefetcher(
+        source, cast(AvroBatchDecoder, decoder), batching, metrics, rejections, device=torch.device(device)
+    )
     try:
         prefetcher.start()
         first = None
         while first is None:
             first = prefetcher.get(timeout=60)
-        started, cpu_before, decoding_before = time.perf_counter(), _cpu_by_thread(), decoder.cpu
+        started, cpu_before = time.perf_counter(), _cpu_by_thread()
         read = 0
         while (batch := prefetcher.get(timeout=60)) is not None:
             read += batch.size
-        seconds, cpu_after, decoding = time.perf_counter() - started, _cpu_by_thread(), decoder.cpu - decoding_before
+        seconds, cpu_after = time.perf_counter() - started, _cpu_by_thread()
         if not prefetcher.finished:
             raise RuntimeError("the prefetcher handed nothing over for 60 s before the backlog's end")
     finally:
@@ -255,21 +259,31 @@ def read_backlog(config, bootstrap_servers: str, topic: str, threads: int, batch
     used = {tid: (group, cpu - cpu_before.get(tid, (group, 0.0))[1]) for tid, (group, cpu) in cpu_after.items()}
     cpu = {group: sum(c for g, c in used.values() if g == group) for group in DATA_PATH_GROUPS}
     busiest = max((c for g, c in used.values() if g == "librdkafka"), default=0.0)
-    return BacklogRead(read, seconds, cpu, decoding, busiest)
+    # The prefetch thread ends with the backlog, often before the window's last reading can see
+    # it: its CPU comes from its own clock instead, at the window's rate per event.
+    events, prefetch_cpu, decoding = decoder.steady_state()
+    cpu[PREFETCH] = prefetch_cpu * read / events
+    return BacklogRead(read, seconds, cpu, decoding * read / events, busiest)
 
 
 class _CpuTimed:
-    """A decoder that counts the CPU its caller's thread (the prefetch thread) spends in it."""
+    """A decoder that notes when, on its caller's (the prefetch thread's) CPU clock, each call ran."""
 
     def __init__(self, decoder):
-        self.decoder, self.cpu = decoder, 0.0
+        self.decoder, self.calls = decoder, []
 
     def decode(self, events):
         started = time.thread_time()
         try:
             return self.decoder.decode(events)
         finally:
-            self.cpu += time.thread_time() - started
+            self.calls.append((started, time.thread_time(), len(events)))
+
+    def steady_state(self) -> tuple[int, float, float]:
+        """(events, the prefetch thread's CPU-seconds, those of them in decode calls) from the end
+        of its first decode call to the end of its last: the consumer's start-up left out."""
+        (_, first_ended, _), *rest = self.calls
+        return sum(n for *_, n in rest), rest[-1][1] - first_ended, sum(end - began for began, end, _ in rest)
 
 
 def table(result: dict) -> str:

@@ -81,7 +81,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models",
         nargs="+",
-        choices=("dcn_v2", "deepfm"),
+        choices=("dcn_v2", "deepfm", "din"),
         default=[],
         help="also run the worker leg with each of these built-in models, and state its events/s over DLRM's",
     )

@@ -44,13 +44,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     from torchrec.models.dlrm import InteractionArch, SparseArch
 
     from streamtrain.config import load_config
-    from streamtrain.model import (
-        ClickModel,
-        FlatInteractionArch,
-        KeyedInteractionArch,
-        KeyedSparseArch,
-        embedding_configs,
-    )
+    from streamtrain.model import ClickModel
+    from streamtrain.models.base import embedding_configs
+    from streamtrain.models.dlrm import FlatInteractionArch, KeyedInteractionArch, KeyedSparseArch
     from streamtrain.train import dense_adam
 
     torch.set_num_threads(1)

@@ -38,7 +38,7 @@ from streamtrain.bench.record import RunRecorder
 from streamtrain.config import FeaturesConfig, ModelConfig, load_config
 from streamtrain.decode import _as_id_array, map_ids
 from streamtrain.device import init_distributed
-from streamtrain.model import FlatInteractionArch
+from streamtrain.models.dlrm import FlatInteractionArch
 from streamtrain.schema import load_schema, without_logical_types
 from streamtrain.train import dense_adam
 

@@ -3,7 +3,7 @@ per model architecture.
 
 Trains --events planted events (clk and buy, see streamtrain/dev/produce.py) on one rank with the
 config's model, once with clk alone (DLRM exactly, the baseline), once per multi-task architecture
-with both tasks, and once per built-in model (--models: dlrm, dcn_v2, deepfm; streamtrain/models/)
+with both tasks, and once per built-in model (--models: dlrm, dcn_v2, deepfm, din; streamtrain/models/)
 with both tasks under shared_bottom. Each run reports, per task, the progressive (test-then-train) AUC over the last
 --window events trained, and the AUC on --holdout fresh events that follow them in the stream,
 scored by the final model without training; both beside the task's Bayes AUC on the same events.
@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 TASKS = [{"name": "clk", "label": "clk"}, {"name": "buy", "label": "buy"}]
 ARCHITECTURES = ("shared_bottom", "mmoe", "dbmtl")
 # The built-in models (model.architecture), each a run of its own.
-MODELS = ("dlrm", "dcn_v2", "deepfm")
+MODELS = ("dlrm", "dcn_v2", "deepfm", "din")
 # What each architecture's tasks are: dbmtl's buy reads clk's tower (a purchase follows a click).
 ARCHITECTURE_TASKS = {"dbmtl": [TASKS[0], {**TASKS[1], "depends_on": "clk"}]}
 # The goals the issue sets: each task's holdout AUC within this of its Bayes AUC, and clk with
@@ -70,6 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--models", nargs="*", choices=MODELS, default=list(MODELS), help="built-in models, each a run (default: all)"
     )
+    parser.add_argument(
+        "--without-target-matches",
+        action="store_true",
+        help="drop the config's model.target_matches: what each model learns of the planted 'recently clicked this "
+        "category' effect by itself (din by attention)",
+    )
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
@@ -88,12 +94,16 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         batch_events,
         parts,
         args.models,
+        args.without_target_matches,
     )
 
 
-def run_configs(path: Path, architectures: list[str], models: Sequence[str] = ()) -> dict[str, WorkerConfig]:
+def run_configs(
+    path: Path, architectures: list[str], models: Sequence[str] = (), without_target_matches: bool = False
+) -> dict[str, WorkerConfig]:
     """clk alone, then clk and buy under each multi-task architecture, all on the model of the config
-    at ``path``; then clk and buy on each built-in model of ``models``."""
+    at ``path`` (less its target matches with ``without_target_matches``); then clk and buy on each
+    built-in model of ``models``."""
     import yaml
 
     from streamtrain.config import parse_config
@@ -101,6 +111,8 @@ def run_configs(path: Path, architectures: list[str], models: Sequence[str] = ()
     raw = yaml.safe_load(path.read_text())
     raw["features"].pop("label", None)  # the tasks name their labels
     model = raw.get("model") or {}
+    if without_target_matches:
+        model.pop("target_matches", None)
     runs = {"clk_alone": {**model, "tasks": TASKS[:1]}}
     runs |= {name: {**model, "tasks": ARCHITECTURE_TASKS.get(name, TASKS), "multitask": name} for name in architectures}
     runs |= {name: {**model, "tasks": TASKS, "architecture": name} for name in models}
@@ -119,8 +131,9 @@ def bench_quality(
     batch_events: int = 0,
     parts: Sequence[str] = PARTS,
     models: Sequence[str] = (),
+    without_target_matches: bool = False,
 ) -> dict:
-    configs = run_configs(config_path, architectures, models)
+    configs = run_configs(config_path, architectures, models, without_target_matches)
     result: dict[str, Any] = {
         "benchmark": "quality",
         "machine": machine(),
@@ -128,10 +141,13 @@ def bench_quality(
         "window": window,
         "holdout": holdout,
         "seed": seed,
+        "target_matches": [m.model_dump() for m in configs["clk_alone"].model.target_matches],
         "batch_size": configs["clk_alone"].batching.batch_size,
     }
     started = time.perf_counter()
-    stream = _Stream(configs[architectures[0]], max(events, batch_events), holdout, seed)
+    # The batch-size axis trains its own, longer stretch of the stream: encoded only when it runs.
+    encoded = max(events, batch_events if "batch_sizes" in parts and batch_sizes else 0)
+    stream = _Stream(configs[architectures[0]], encoded, holdout, seed)
     progress(f"{len(stream.raw):,} events encoded in {time.perf_counter() - started:.0f}s")
     if "architectures" in parts:
         result.update(_architectures(configs, stream, events, window, progress))

@@ -59,7 +59,7 @@ from streamtrain.delivery.spec import (
 )
 from streamtrain.idspace import whole_map
 from streamtrain.model import ClickModel, net_logits
-from streamtrain.models.base import table_weights
+from streamtrain.models.base import ModelInterfaceError, check_logits, table_weights
 from streamtrain.schema import load_schema
 
 log = logging.getLogger(__name__)
@@ -160,6 +160,43 @@ def export_program(module: ScoringModule, features: FeaturesConfig) -> torch.exp
     shapes = {"dense": {0: batch}, "values": {0: ids}, "lengths": {0: tables * batch}}
     with torch.no_grad():
         return torch.export.export(module, _example(features, 3), dynamic_shapes=shapes, strict=False)
+
+
+_PROBE_ROWS = 8
+_PROBE_BATCH = 3
+
+
+def check_exportable(features: FeaturesConfig, model: ModelConfig, tasks: list[TaskConfig]) -> None:
+    """Refuses a model that does not fit the interface, naming what is missing: its tables, logits
+    of the wrong shape, a forward that does not ``torch.export``. It
+    builds the model on the CPU with tables of a few rows and exports it as delivery does: seconds,
+    so the worker runs it at start-up for a user's model only (each built-in's tests export it)."""
+    where = f"model.module {model.module}"
+    probe = features.model_copy(
+        update={"tables": [t.model_copy(update={"num_embeddings": _PROBE_ROWS}) for t in features.tables]}
+    )
+    click = unsharded_model(probe, model, tasks)
+    keys = [t.name for t in features.tables]
+    dense = torch.zeros(_PROBE_BATCH, len(features.dense))
+    ids = torch.zeros(_PROBE_BATCH * len(keys), dtype=torch.int64)
+    kjt = KeyedJaggedTensor(keys=keys, values=ids, lengths=torch.ones(_PROBE_BATCH * len(keys), dtype=torch.int32))
+    try:
+        with torch.no_grad():
+            logits = net_logits(click.net, click.pairs, dense, kjt)
+    except Exception as error:
+        raise ModelInterfaceError(
+            f"{where}: forward fails on a batch of {_PROBE_BATCH} events: {type(error).__name__}: {error}"
+        ) from error
+    check_logits(logits, _PROBE_BATCH, len(tasks), where)
+    try:
+        export_program(ScoringModule(click, keys), probe)
+    except Exception as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        raise ModelInterfaceError(
+            f"{where}: the model is not exportable: torch.export fails on its forward ({type(error).__name__}: "
+            f"{first}); served bases are that program, so its forward must trace without data-dependent Python "
+            f"control flow on tensor values"
+        ) from error
 
 
 def export_snapshot(

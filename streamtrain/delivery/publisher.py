@@ -51,6 +51,7 @@ from streamtrain.config import DeliveryConfig, KafkaConfig, WorkerConfig
 from streamtrain.delivery.deltas import Delta, DeltaId, DensePiece, IdPiece, RowPiece, encode
 from streamtrain.delivery.spec import MANIFEST, delta_name, parse_base, parse_delta, parse_manifest, part_name
 from streamtrain.lockstep import Question
+from streamtrain.models.base import TABLE_ATTRIBUTES
 from streamtrain.source import KAFKA_LOG
 
 if TYPE_CHECKING:
@@ -118,6 +119,17 @@ class TouchedIds:
         return taken
 
 
+def table_keys(state: dict[str, Any], plan: ShardingPlan) -> dict[str, str]:
+    """Each table's weight in ``state`` (the DMP's state dict), whatever collection holds it and
+    wherever that sits in the model."""
+    keys = {}
+    for path, tables in plan.plan.items():
+        for table in tables:
+            found = [f"{path}.{kind}.{table}.weight" for kind in TABLE_ATTRIBUTES]
+            keys[table] = next(key for key in found if key in state)
+    return keys
+
+
 def local_rows(state: dict[str, Any], plan: ShardingPlan, rank: int, ids: dict[str, np.ndarray]) -> list[RowPiece]:
     """Copies of the rows ``ids`` of every table, as far as this rank holds them: the columns of
     its own shards (table-wise: the whole table; column-wise: its column slices), and on rank 0
@@ -127,8 +139,9 @@ def local_rows(state: dict[str, Any], plan: ShardingPlan, rank: int, ids: dict[s
     pieces = []
     # Where each table's collection sits in the model, whatever its architecture.
     collection_of = {table: path for path, tables in plan.plan.items() for table in tables}
+    keys = table_keys(state, plan)
     for table, wanted in ids.items():
-        weight = state[f"{collection_of[table]}.embedding_bags.{table}.weight"]
+        weight = state[keys[table]]
         spec = plan.plan[collection_of[table]][table].sharding_spec
         if spec is None:
             # Data parallel: every rank holds all of it, a torch parameter stepped by the dense
@@ -156,12 +169,13 @@ def _rows(weight: torch.Tensor, ids: torch.Tensor) -> np.ndarray:
     return weight.detach().index_select(0, ids.to(weight.device)).to("cpu", torch.float32).numpy()
 
 
-def dense_pieces(state: dict[str, Any]) -> list[DensePiece]:
+def dense_pieces(state: dict[str, Any], plan: ShardingPlan) -> list[DensePiece]:
     """A copy of every dense parameter, named as in the model's state dict (replicated on all ranks)."""
+    tables = set(table_keys(state, plan).values())
     return [
         DensePiece(name, tuple(value.shape), 0, value.detach().to("cpu", torch.float32, copy=True).numpy().reshape(-1))
         for name, value in state.items()
-        if ".embedding_bags." not in name and isinstance(value, torch.Tensor) and value.is_floating_point()
+        if name not in tables and isinstance(value, torch.Tensor) and value.is_floating_point()
     ]
 
 
@@ -634,7 +648,7 @@ class Publisher:
             high_water = max(theirs for _, theirs in gathered)
         state = self.model.state_dict()
         rows = local_rows(state, self.plan, self.rank, ids)
-        dense = dense_pieces(state) if self.rank == 0 else []
+        dense = dense_pieces(state, self.plan) if self.rank == 0 else []
         # Each rank sends the map of the buckets it owns, beside the rows it holds.
         mapped = []
         if self.id_space is not None:

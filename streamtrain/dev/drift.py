@@ -216,4 +216,3 @@ class Kind:
             assert self.one_offs is not None
             values[~live] = self.one_offs.attributes[name][-1 - ordinals[~live]]
         return values
-

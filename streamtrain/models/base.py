@@ -8,7 +8,8 @@ A model is an ``nn.Module`` made by a factory from a ``ModelSpec``::
   history's ids equal to the candidate's, streamtrain/target_match.py); ``sparse`` holds one key
   per entry of ``features.tables``, in that order; the output is a logit per task, in
   ``spec.tasks``' order (no sigmoid: the loss and the server add it).
-- Its tables are TorchRec ``EmbeddingBagCollection``s built on
+- Its tables are TorchRec ``EmbeddingBagCollection``s (pooled) or ``EmbeddingCollection``s (an
+  embedding per id, for a sequence feature) built on
   ``spec.table_device`` from ``spec.tables()`` (the meta device while the planner shards them;
   fbgemm's fused optimizer then updates them in the backward). Every parameter outside them is
   dense: replicated, updated by Adam, and published whole in each delta. ``table_weights`` finds
@@ -16,17 +17,18 @@ A model is an ``nn.Module`` made by a factory from a ``ModelSpec``::
 - Its forward must ``torch.export`` with a dynamic batch (the served base is that program), and
   ``torch.fx``-trace as far as its collections' inputs (TorchRec's train pipeline finds them so).
   It must also take an empty batch: a rank with no events trains one (sum, never average, over
-  the batch). streamtrain.models.check_exportable tries the export and the shape at start-up.
+  the batch). streamtrain.delivery.artifact.check_exportable tries the export and the shape at the
+  worker's start-up.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, PoolingType
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, PoolingType
 
 from streamtrain.config import ConfigError, FeaturesConfig, ModelConfig, TaskConfig
 
@@ -48,12 +50,30 @@ class ModelSpec:
     def dense_in_features(self) -> int:
         return len(self.features.dense) + len(self.model.target_matches)
 
-    def tables(self) -> list[EmbeddingBagConfig]:
-        """A table per entry that owns one, looked up by its own feature and by those sharing it."""
-        return embedding_configs(self.features)
+    def tables(self, exclude: Collection[str] = ()) -> list[EmbeddingBagConfig]:
+        """A table per entry that owns one (but those named in ``exclude``), looked up by its own
+        feature and by those sharing it."""
+        return [t for t in embedding_configs(self.features) if t.name not in exclude]
 
-    def embedding_bag_collection(self) -> EmbeddingBagCollection:
-        return EmbeddingBagCollection(tables=self.tables(), device=self.table_device)
+    def embedding_bag_collection(self, exclude: Collection[str] = ()) -> EmbeddingBagCollection:
+        """The tables, pooled per event (but those named in ``exclude``)."""
+        return EmbeddingBagCollection(tables=self.tables(exclude), device=self.table_device)
+
+    def embedding_collection(self, tables: Collection[str]) -> EmbeddingCollection:
+        """The tables named, unpooled: an embedding per id (a sequence feature's)."""
+        return EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(
+                    name=t.name,
+                    feature_names=t.feature_names,
+                    num_embeddings=t.num_embeddings,
+                    embedding_dim=t.embedding_dim,
+                )
+                for t in embedding_configs(self.features)
+                if t.name in tables
+            ],
+            device=self.table_device,
+        )
 
 
 Factory = Callable[[ModelSpec], nn.Module]
@@ -72,13 +92,22 @@ def embedding_configs(features: FeaturesConfig) -> list[EmbeddingBagConfig]:
     ]
 
 
+# Where each kind of collection keeps its tables, by table name.
+TABLE_ATTRIBUTES = ("embedding_bags", "embeddings")
+
+
 def table_weights(module: nn.Module) -> dict[str, str]:
     """Each table's weight, by table name: its parameter's name in ``module``'s state dict."""
     weights: dict[str, str] = {}
     for path, collection in module.named_modules():
         prefix = f"{path}." if path else ""
         if isinstance(collection, EmbeddingBagCollection):
-            weights |= {c.name: f"{prefix}embedding_bags.{c.name}.weight" for c in collection.embedding_bag_configs()}
+            configs, kind = collection.embedding_bag_configs(), TABLE_ATTRIBUTES[0]
+        elif isinstance(collection, EmbeddingCollection):
+            configs, kind = collection.embedding_configs(), TABLE_ATTRIBUTES[1]
+        else:
+            continue
+        weights |= {c.name: f"{prefix}{kind}.{c.name}.weight" for c in configs}
     return weights
 
 
@@ -93,7 +122,8 @@ def check_tables(module: nn.Module, features: FeaturesConfig, where: str) -> Non
     if missing:
         raise ModelInterfaceError(
             f"{where}: the model has no tables for {missing} (found {sorted(found) or 'no tables'}); build them "
-            f"in an EmbeddingBagCollection from spec.tables() on spec.table_device (spec.embedding_bag_collection())"
+            f"in an EmbeddingBagCollection from spec.tables() on spec.table_device (spec.embedding_bag_collection()), "
+            f"or unpooled in spec.embedding_collection(names)"
         )
 
 
