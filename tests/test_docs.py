@@ -63,6 +63,14 @@ def test_the_readme_is_a_short_front_door():
     parse_config(yaml.safe_load(block.group(1)), environ={})
 
 
+@pytest.mark.parametrize("page", ["README.md", "docs/models.md"])
+def test_the_user_model_example_is_the_one_the_tests_train(page):
+    """tests/test_architectures.py trains, kills, restores and serves tests/user_models/my_models.py:
+    the example a user copies is that code, word for word."""
+    (example,) = re.findall(r"```python\n(import torch\n.*?)```", (REPO / page).read_text(), re.DOTALL)
+    assert example in (REPO / "tests" / "user_models" / "my_models.py").read_text()
+
+
 def test_the_site_builds_strictly(tmp_path):
     result = build(REPO / "mkdocs.yml", tmp_path / "site")
     assert result.returncode == 0, result.stderr[-3000:]
