@@ -28,9 +28,10 @@ from streamtrain.source import RawEvent
 from streamtrain.train import Trainer
 
 # Small tables for the stream's Zipf ids (a million users), so rows are evicted from the first steps;
-# split into buckets that 2 and 3 ranks share unevenly.
+# split into buckets that 2 and 3 ranks share unevenly (din's history table in 2: at 3 ranks, one
+# rank owns none of them).
 ROWS = {"user_id": 200, "adgroup_id": 300}
-BUCKETS = {"user_id": 4, "adgroup_id": 3}
+BUCKETS = {"user_id": 4, "adgroup_id": 3, "recent_cate_ids": 2}
 # Every new id gets a row at its first sighting (the default admission waits for a second).
 EVERY_ID = {"probability": 1}
 GLOBAL_BATCH = 256
