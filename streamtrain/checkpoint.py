@@ -155,6 +155,8 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
                 "field": t.field,
                 "field_kind": field_kind(schema, t.field),
                 "id_mapping": t.id_mapping,
+                # the id map's layout in the snapshot: a managed table restores only with the same buckets
+                **({"buckets": t.id_buckets()} if t.id_mapping == "managed" else {}),
                 # only when set, so that fingerprints written before sharing existed still match
                 **({"shares_table_with": t.shares_table_with} if t.shares_table_with else {}),
             }
@@ -224,7 +226,30 @@ def fingerprint_differences(ours: dict[str, Any], theirs: dict[str, Any], config
             if changed
             else []
         )
-    return _differences(ours, {"heads": _DLRM_HEADS, **theirs}, "")
+    return [
+        _before_buckets(name) if name is not None else difference
+        for difference in _differences(ours, {"heads": _DLRM_HEADS, **theirs}, "")
+        for name in [_table_without_buckets(difference, theirs)]
+    ]
+
+
+def _table_without_buckets(difference: str, theirs: dict[str, Any]) -> str | None:
+    """The managed table a difference is about if the snapshot predates id buckets, else None."""
+    parts = difference.split(":", 1)[0].split(".")
+    if len(parts) == 3 and parts[0] == "tables" and parts[2] == "buckets":
+        table = theirs.get("tables", {}).get(parts[1], {})
+        if table.get("id_mapping") == "managed" and "buckets" not in table:
+            return parts[1]
+    return None
+
+
+def _before_buckets(table: str) -> str:
+    # No config reproduces the replicated map's layout: its rows are not where the buckets put them.
+    return (
+        f"tables.{table}: the snapshot was written before managed id maps had buckets, and its map does not fit "
+        f"them; --allow-partial-restore loads everything else and starts {table}'s id map empty (its rows "
+        f"re-initialise as ids are admitted again)"
+    )
 
 
 def _differences(ours: Any, theirs: Any, where: str) -> list[str]:
@@ -897,28 +922,39 @@ class Checkpointer:
 
 
 def _without_other_sketches(id_space: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
-    """``id_space`` less the admission sketches the snapshot holds at another shape (or not at all):
-    admission settings may change across a restore, and ids waiting for admission then count from
-    zero. A snapshot taken with every id admitted holds no sketch."""
+    """``id_space`` less the buckets' admission sketches the snapshot holds at another shape (or not
+    at all): admission settings may change across a restore, and ids waiting for admission then
+    count from zero. A snapshot taken with every id admitted holds empty sketches."""
     saved = metadata.state_dict_metadata
     kept: dict[str, Any] = {}
-    for name, table in id_space.items():
-        if isinstance(table, dict) and "sketch" in table:
-            entry = saved.get(f"id_space.{name}.sketch")
-            if entry is None or tuple(getattr(entry, "size", ())) != tuple(table["sketch"].shape):
+    for name, buckets in id_space.items():
+        if isinstance(buckets, dict):
+            differ = [
+                bucket
+                for bucket, part in buckets.items()
+                if tuple(getattr(saved.get(f"id_space.{name}.{bucket}.sketch"), "size", ())) != part["sketch"].shape
+            ]
+            if differ:
                 log.info("table %s: the snapshot's admission sketch differs; waiting ids count from zero", name)
-                table = {key: value for key, value in table.items() if key != "sketch"}
-        kept[name] = table
+                buckets = {
+                    bucket: {k: v for k, v in part.items() if k != "sketch"} if bucket in differ else part
+                    for bucket, part in buckets.items()
+                }
+        kept[name] = buckets
     return kept
 
 
 def _whole_id_maps(full: dict[str, Any], matched: dict[str, Any]) -> dict[str, Any]:
     """The managed tables' id maps a partial restore can load: those the snapshot holds whole
-    (every array, at this table's size), with the id space's step; none if it holds none."""
+    (every bucket this rank owns, each with every array at its size), with the id space's step;
+    none if it holds none."""
     whole = {
-        name: tables
-        for name, tables in matched.items()
-        if name != "step" and isinstance(tables, dict) and set(tables) == set(full[name])
+        name: buckets
+        for name, buckets in matched.items()
+        if name != "step"
+        and isinstance(buckets, dict)
+        and set(buckets) == set(full[name])
+        and all(set(buckets[b]) == set(full[name][b]) for b in buckets)
     }
     for name in sorted(set(full) - {"step"} - set(whole)):
         log.warning("partial restore: the snapshot holds no usable id map for table %s; it starts empty", name)

@@ -264,6 +264,15 @@ class TableConfig(_Strict):
         description="id_mapping managed only: the table's size; rows - 1 hold live ids and the last is the "
         "unknown row, shared by ids without a row (yet).",
     )
+    buckets: int | None = Field(
+        default=None,
+        ge=1,
+        le=65_536,
+        description="id_mapping managed only: the virtual buckets its id map is split into, each a fixed range of "
+        "rows that an id's hash picks; each rank owns a contiguous run of them, holds and maps only their ids, and "
+        "admits and evicts within each bucket. A snapshot restores at any world size, but only with the same "
+        "buckets. Unset: one per 4,096 live rows, at least 1 and at most 1,024.",
+    )
     eviction: EvictionConfig | None = Field(
         default=None, description="id_mapping managed only: which live id gives up its row (unset: lru)."
     )
@@ -296,7 +305,7 @@ class TableConfig(_Strict):
             return raw
         managed = raw.get("id_mapping") == "managed"
         if not managed:
-            extra = [k for k in ("rows", "eviction", "admission") if raw.get(k) is not None]
+            extra = [k for k in ("rows", "buckets", "eviction", "admission") if raw.get(k) is not None]
             if extra:
                 raise ValueError(f"{extra[0]} is only read with id_mapping: managed; set that or remove it")
             return raw
@@ -316,6 +325,8 @@ class TableConfig(_Strict):
     def _managed_rows_are_reset_in_place(self) -> TableConfig:
         if self.id_mapping != "managed":
             return self
+        if self.buckets is not None and self.buckets > self.live_rows():
+            raise ValueError(f"buckets {self.buckets} exceeds the {self.live_rows()} live rows: each needs a row")
         # Evicted rows are re-initialised in fbgemm's table kernels, on whichever rank holds them;
         # a data-parallel table is a replicated torch parameter with its own optimizer instead.
         if self.sharding_types and "data_parallel" in self.sharding_types:
@@ -332,6 +343,10 @@ class TableConfig(_Strict):
     def live_rows(self) -> int:
         """A managed table's rows for live ids: all but the unknown row."""
         return self.num_embeddings - 1
+
+    def id_buckets(self) -> int:
+        """A managed table's virtual buckets (streamtrain/idspace.py)."""
+        return self.buckets if self.buckets is not None else min(max(self.live_rows() // 4096, 1), 1024)
 
 
 class DenseFeature(_Strict):

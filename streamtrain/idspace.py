@@ -8,7 +8,7 @@ Why a mapping of our own rather than TorchRec's managed collision (``MCHManagedC
 decided on this stack (torchrec 1.8, fbgemm-gpu-cpu 1.8, CPU, gloo; see NOTES.md):
   - MCH needs row-wise sharding, which CPU does not offer (a hand-made plan only), and a table
     size divisible by the world size. Ours works with whatever sharding the planner picks, at any
-    world size, and a snapshot restores at another one, since the mapping is replicated.
+    world size, and a snapshot restores at another one, since its buckets do not depend on it.
   - MCH's eviction resets rows through ``fbgemm::reset_weight_momentum``, which has no CPU kernel
     (row-wise Adagrad crashes; Adagrad and SGD keep the old state). A reset of our own was needed
     either way; ours is ``RowResetter``.
@@ -18,38 +18,48 @@ decided on this stack (torchrec 1.8, fbgemm-gpu-cpu 1.8, CPU, gloo; see NOTES.md
   - Exactly-once needs the mapping of the trained batches at each cut, while the pipeline has
     already mapped up to two batches ahead; a mapping we own can take those steps back (below).
 
+How it scales: a table's map is split into a fixed number of virtual buckets (``buckets`` in its
+config), each a fixed range of rows, an id's bucket fixed by a salted hash of it. Each rank owns a
+contiguous run of buckets (so its rows are one range, indexed by one offset) and holds and maps
+only their ids: every step a rank sends each distinct id of its batch, with its count, to the
+bucket's owner and gets the row back (``_Exchange``), so the map's memory and work per rank fall as
+1 / world size. Buckets rather than ranks own rows, so the map never depends on the world size: a
+snapshot stores it per bucket, and a restore at another world size moves buckets whole.
+
 How it stays right:
-  - **Rank-consistent.** Every step, the ranks all-gather the raw ids of their batches (and the
-    step's newest event time) and each applies the same deterministic update (``IdMapping``) to
-    the same global ids, so every rank holds the same map, and an id gets the same row whichever
-    rank reads it.
+  - **Rank-consistent.** A bucket's map is updated by the ids of that bucket alone, from every
+    rank, with the step's newest event time over all ranks, deterministically (``TableIds``): the
+    map is the one a single process builds from the same global steps, whichever rank owns a
+    bucket, and an id gets one row whichever rank reads it.
   - **Collision-free.** A row holds one live id. An id not admitted (yet), or one that found no
     row because the step alone held more new ids than the table has rows, reads the table's last
     row, the *unknown row*, which trains like any row: the embedding of "an id we do not know".
   - **Fresh rows.** A row given to a new id is re-initialised (uniform in +-sqrt(1/rows), as
     TorchRec initialises tables) and its optimizer state zeroed, on whichever ranks hold its
-    shards. This happens just before the forward pass of the batch that first uses it, not when
-    the batch is mapped: the batches already in the pipeline may still train the row's old id.
+    shards: the owners send every rank the rows they gave, with the rows back. This happens just
+    before the forward pass of the batch that first uses it, not when the batch is mapped: the
+    batches already in the pipeline may still train the row's old id.
   - **Exactly-once.** The pipeline maps batches ahead of training, so the map is up to two steps
     ahead of the weights. Each step records what it overwrote (its ``Undo``: the rows it wrote
     and their old values, the low bits a halving dropped), held while its batch is in flight;
     the map at the cut, which snapshots and deltas read, is a copy of the arrays with those
     steps undone, made only when they ask. A restore maps the re-read batches again from it.
 
-Memory: one copy of the map, made at full size. Per row, the raw id (int64) and whether it is in
+Memory: each rank's buckets' share of the map, made at full size. Per row, the raw id (int64) and whether it is in
 use (bool), plus only what the policy reads: the step last seen (uint32, as an age modulo 2^32) for
 lru and ttl, the event time last seen (int64) for ttl in seconds, a saturating int32 count for lfu;
 and an open-addressing index (``streamtrain.idindex``: an int16 or int32 slot per 0.7 rows, the key
 read from the ids) in place of a Python dict. lru: 8 + 1 + 4 + 2.9 = 15.9 bytes per row below 2^15
 rows, 18.7 beyond. ``min_count`` adds a uint16 sketch of two hash rows at least twice the rows wide
-(8 to 16 bytes per row). Per step, the lookup is one numba loop over the step's distinct ids, the
-rest vectorised numpy, and a victim search over the rows (``argpartition``) only when the table is
-full.
+(8 to 16 bytes per row, at least 1,024 cells a bucket). Per step, the lookup is one numba loop over
+the step's distinct ids, the rest vectorised numpy, and a victim search over the rows of each bucket
+that needs one (``argpartition``) only when it is full.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -83,6 +93,8 @@ _MAX_AGE = np.int64(_STEP_MASK)
 # Evictions kept for readers of "what was evicted since step X" (deltas); older ones are dropped,
 # and a reader asking from before them is told to take everything instead.
 _EVICTION_LOG_STEPS = 10_000
+# Salts the hash that picks an id's bucket, so that it is independent of the index's.
+_BUCKET_SALT = np.uint64(0xA4093822299F31D0)
 
 
 def managed_tables(features: FeaturesConfig) -> list[TableConfig]:
@@ -108,11 +120,11 @@ class Evictions:
 class Undo:
     """What one step overwrote in a table's arrays, to take the step back on a copy of them (the
     map at the cut): per write the array's name, the rows (or sketch cells) and their old values;
-    per halving the low bits it dropped, packed. A step's undo is about 8 to 17 bytes per distinct
-    id it saw, held while its batch is in flight."""
+    per halving the columns halved and the low bits it dropped, packed. A step's undo is about 8 to
+    17 bytes per distinct id it saw, held while its batch is in flight."""
 
-    # (name, rows, old values) per write; (name, None, packed low bits) per halving
-    writes: list[tuple[str, np.ndarray | None, np.ndarray]] = field(default_factory=list)
+    # (name, rows, old values) per write; (name, columns, packed low bits) per halving
+    writes: list[tuple[str, np.ndarray | slice, np.ndarray]] = field(default_factory=list)
 
     def write(self, arrays: TableArrays, name: str, rows: np.ndarray) -> np.ndarray:
         """Record the values at ``rows`` of array ``name`` before they are written; the array."""
@@ -120,23 +132,31 @@ class Undo:
         self.writes.append((name, rows.astype(np.int32), array[rows].copy()))
         return array
 
-    def halve(self, arrays: TableArrays, name: str) -> None:
-        array = arrays.flat(name)
-        self.writes.append((name, None, np.packbits((array & 1).astype(np.bool_))))
-        array >>= 1
+    def halve(self, arrays: TableArrays, name: str, columns: slice = slice(None)) -> None:
+        """Halve array ``name``, or only its ``columns`` (one bucket's sketch cells, in each hash row)."""
+        part = _columns(arrays, name, columns)
+        self.writes.append((name, columns, np.packbits((part & 1).astype(np.bool_))))
+        part >>= 1
 
     def undo(self, arrays: TableArrays) -> None:
         for name, rows, old in reversed(self.writes):
-            array = arrays.flat(name)
-            if rows is not None:
-                array[rows] = old
+            if isinstance(rows, slice):
+                part = _columns(arrays, name, rows)
+                part <<= 1
+                part |= np.unpackbits(old, count=part.size).reshape(part.shape).astype(part.dtype)
             else:
-                array <<= 1
-                array |= np.unpackbits(old, count=array.size).astype(array.dtype)
+                arrays.flat(name)[rows] = old
 
     @property
     def nbytes(self) -> int:
-        return sum((0 if rows is None else rows.nbytes) + old.nbytes for _name, rows, old in self.writes)
+        return sum((0 if isinstance(rows, slice) else rows.nbytes) + old.nbytes for _name, rows, old in self.writes)
+
+
+def _columns(arrays: TableArrays, name: str, columns: slice) -> np.ndarray:
+    """A view of ``columns`` of array ``name`` (its last axis)."""
+    array = getattr(arrays, name)
+    assert array is not None, name
+    return array[..., columns]
 
 
 @dataclass(frozen=True)
@@ -201,53 +221,110 @@ class TableArrays:
         return sum(a.nbytes for a in self._all() if a is not None)
 
 
-class TableIds:
-    """One managed table's map from raw ids to rows; every method is deterministic, so ranks fed
-    the same ids hold the same map."""
+def bucket_start(table: TableConfig, bucket: int) -> int:
+    """The first row of ``bucket`` (a bucket's rows run to the next one's first)."""
+    return bucket * table.live_rows() // table.id_buckets()
 
-    def __init__(self, table: TableConfig):
+
+def owned_buckets(table: TableConfig, rank: int, world_size: int) -> range:
+    """The buckets of ``table`` that ``rank`` maps: a contiguous run, so its rows are one range."""
+    buckets = table.id_buckets()
+    return range(rank * buckets // world_size, (rank + 1) * buckets // world_size)
+
+
+def buckets_of(ids: np.ndarray, buckets: int) -> np.ndarray:
+    """The bucket of each raw id (int64): a salted hash scaled to the bucket count, independent of
+    the index's hash (which would otherwise crowd a rank's ids into a band of its slots)."""
+    if buckets == 1:
+        return np.zeros(ids.size, dtype=np.int64)
+    hashed = splitmix64(ids.view(np.uint64) ^ _BUCKET_SALT) >> np.uint64(32)
+    return ((hashed * np.uint64(buckets)) >> np.uint64(32)).astype(np.int64)
+
+
+def bucket_key(bucket: int) -> str:
+    return f"bucket{bucket:05d}"
+
+
+def whole_map(state: dict[str, dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A table's raw id and in-use flag per row, from a snapshot's map of it (per bucket: buckets
+    hold consecutive rows, so their arrays in bucket order are the table's)."""
+    keys = sorted(state)
+    return torch.cat([state[k]["ids"] for k in keys]), torch.cat([state[k]["in_use"] for k in keys])
+
+
+class TableIds:
+    """One managed table's map from raw ids to rows, of the buckets ``buckets`` (all by default):
+    every method is deterministic and each bucket's map depends only on its own ids, so the map is
+    the same whichever rank holds a bucket, at any world size.
+
+    Rows given in and out (``TableStep``, ``find``, ``live``) are the table's; the arrays hold the
+    owned buckets' rows only, from ``start``."""
+
+    def __init__(self, table: TableConfig, buckets: range | None = None):
         self.name = table.name
-        self.capacity = table.live_rows()
-        self.unknown_row = self.capacity
+        self.unknown_row = table.live_rows()
+        owned = range(table.id_buckets()) if buckets is None else buckets
+        self.buckets = owned
+        self.bucket_count = table.id_buckets()
+        self.start = bucket_start(table, owned.start)
+        # each owned bucket's first row in the arrays, and the end of the last
+        self.bucket_starts = np.array([bucket_start(table, b) - self.start for b in (*owned, owned.stop)], np.int64)
+        self.capacity = int(self.bucket_starts[-1])
         self.eviction = table.eviction or EvictionConfig()
         self.admission = table.admission
         n, policy = self.capacity, self.eviction.policy
         waiting = self.admission is not None and self.admission.min_count is not None
-        width = max(_SKETCH_MIN_WIDTH, 1 << math.ceil(math.log2(2 * n)))
+        widest = -(-table.live_rows() // self.bucket_count)
+        self.sketch_width = max(_SKETCH_MIN_WIDTH, 1 << math.ceil(math.log2(2 * widest)))
         self.arrays = TableArrays(
             ids=np.zeros(n, dtype=np.int64),
             in_use=np.zeros(n, dtype=np.bool_),
             last_step=np.zeros(n, dtype=np.uint32) if policy in ("lru", "ttl") else None,
             last_time_ms=np.zeros(n, dtype=np.int64) if self.eviction.ttl_seconds is not None else None,
             counts=np.zeros(n, dtype=np.int32) if policy == "lfu" else None,
-            sketch=np.zeros((len(_SKETCH_SALTS), width), dtype=np.uint16) if waiting else None,
+            sketch=np.zeros((len(_SKETCH_SALTS), self.sketch_width * len(owned)), np.uint16) if waiting else None,
         )
         self.index = IdIndex(self.arrays.ids)
         self.occupied = 0
-        self.sketch_total = 0  # the sum of the sketch's cells, kept as they change
+        # per owned bucket, the sum of its sketch cells, kept as they change
+        self.sketch_totals = np.zeros(len(owned), dtype=np.int64)
+
+    def _local_buckets(self, ids: np.ndarray) -> np.ndarray:
+        local = buckets_of(ids, self.bucket_count) - self.buckets.start
+        if local.size and (int(local.min()) < 0 or int(local.max()) >= len(self.buckets)):
+            raise ValueError(f"table {self.name}: an id reached a rank that does not own its bucket")
+        return local
+
+    def _bucket_of_rows(self, rows: np.ndarray) -> np.ndarray:
+        return np.searchsorted(self.bucket_starts, rows, side="right") - 1
 
     # --- the update -----------------------------------------------------------------------
-    def update(self, ids: torch.Tensor, step: int, now_ms: int) -> TableStep:
-        """Map ``ids`` (all ranks' ids of step ``step``, whose newest event is at ``now_ms``),
-        admitting and evicting as configured."""
-        return self.apply(self.decide(ids, step, now_ms))
+    def update(self, ids: torch.Tensor, step: int, now_ms: int, counts: torch.Tensor | None = None) -> TableStep:
+        """Map ``ids`` (all ranks' ids of step ``step`` in the owned buckets, whose newest event is
+        at ``now_ms``; each seen ``counts`` times, once by default), admitting and evicting as
+        configured."""
+        return self.apply(self.decide(ids, step, now_ms, counts))
 
-    def decide(self, ids: torch.Tensor, step: int, now_ms: int) -> TableStep:
+    def decide(self, ids: torch.Tensor, step: int, now_ms: int, counts: torch.Tensor | None = None) -> TableStep:
         """What mapping ``ids`` at ``step`` does, without doing it."""
         unique_t, inverse, counts_t = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
+        if counts is not None:  # ids deduplicated by their senders: several senders may send one id
+            counts_t = torch.zeros_like(counts_t).index_add_(0, inverse, counts)
         unique, counts = unique_t.numpy(), counts_t.numpy()
+        local_buckets = self._local_buckets(unique)
         rows = self.index.find(unique)
         hit = rows >= 0
         seen = rows[hit]
         waiting = np.flatnonzero(~hit)
-        admit, cells = self._admit(unique[waiting], counts[waiting], step)
+        admit, cells = self._admit(unique[waiting], counts[waiting], local_buckets[waiting], step)
         admitted = waiting[admit]
-        free, evicted = self._rows_for(int(admitted.size), seen, step)
-        assigned = np.concatenate((free, evicted.rows.numpy()))
-        admitted = admitted[: assigned.size]  # the rest found no row this step: unknown
+        given, victims = self._rows_for(local_buckets[admitted], seen, step)
+        admitted, assigned = admitted[given >= 0], given[given >= 0]  # the rest found no row this step: unknown
         rows[admitted] = assigned
         unknown = rows < 0
+        rows += self.start
         rows[unknown] = self.unknown_row
+        evicted = Evictions(torch.from_numpy(victims + self.start), torch.from_numpy(self.arrays.ids[victims]))
         rows_t, unknown_t = torch.from_numpy(rows), torch.from_numpy(unknown)
         return TableStep(
             step=step,
@@ -259,7 +336,7 @@ class TableIds:
             cells=cells,
             cell_counts=counts[waiting] if cells.size else _NO_ROWS,
             evicted=evicted,
-            assigned=torch.from_numpy(assigned),
+            assigned=torch.from_numpy(assigned + self.start),
             new_ids=unique[admitted],
             new_counts=counts[admitted],
         )
@@ -273,9 +350,9 @@ class TableIds:
             undo.write(arrays, "counts", seen)[seen] = np.minimum(arrays.counts[seen] + decided.seen_counts, _COUNT_MAX)
         if decided.cells.size:
             self._count_waiting(undo, decided.cells, decided.cell_counts)
-        evicted = decided.evicted.rows.numpy()
+        evicted = decided.evicted.rows.numpy() - self.start
         self.index.delete(evicted)  # while the rows still hold the evicted ids
-        assigned = decided.assigned.numpy()
+        assigned = decided.assigned.numpy() - self.start
         undo.write(arrays, "ids", assigned)[assigned] = decided.new_ids
         undo.write(arrays, "in_use", assigned)[assigned] = True
         self._touch(undo, assigned, step, now_ms)
@@ -305,21 +382,27 @@ class TableIds:
         old = flat[shared].astype(np.int64)
         new = np.minimum(old + added, _SKETCH_MAX)
         flat[shared] = new
-        self.sketch_total += int(new.sum() - old.sum())
-        # TinyLFU's sample: once the cells hold a sighting each on average, halve them, however
-        # many steps that took. Halving only every interval_steps lets a stream with many ids seen
-        # once fill every cell between halvings, and then every new id looks seen before.
-        if self.sketch_total >= sketch.size:
-            self._halve_sketch(undo)
+        np.add.at(self.sketch_totals, (shared % width) // self.sketch_width, new - old)
+        # TinyLFU's sample: once a bucket's cells hold a sighting each on average, halve them,
+        # however many steps that took. Halving only every interval_steps lets a stream with many ids
+        # seen once fill every cell between halvings, and then every new id looks seen before. Each
+        # bucket by itself, so that its map depends on its own ids only, at any world size.
+        for bucket in np.flatnonzero(self.sketch_totals >= len(_SKETCH_SALTS) * self.sketch_width).tolist():
+            columns = slice(bucket * self.sketch_width, (bucket + 1) * self.sketch_width)
+            undo.halve(self.arrays, "sketch", columns)
+            self.sketch_totals[bucket] = int(sketch[:, columns].sum(dtype=np.int64))
 
-    def _halve_sketch(self, undo: Undo) -> None:
-        assert self.arrays.sketch is not None
-        undo.halve(self.arrays, "sketch")
-        self.sketch_total = int(self.arrays.sketch.sum(dtype=np.int64))
+    def _recount_sketch(self) -> None:
+        sketch = self.arrays.sketch
+        assert sketch is not None
+        per_bucket = sketch.reshape(len(_SKETCH_SALTS), len(self.buckets), self.sketch_width)
+        self.sketch_totals = per_bucket.sum(axis=(0, 2), dtype=np.int64)
 
-    def _admit(self, ids: np.ndarray, counts: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """Which of ``ids`` (without rows, seen ``counts`` times) are admitted, and for min_count
-        the sketch cells that count them."""
+    def _admit(
+        self, ids: np.ndarray, counts: np.ndarray, local_buckets: np.ndarray, step: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Which of ``ids`` (without rows, seen ``counts`` times, in ``local_buckets``) are
+        admitted, and for min_count the sketch cells that count them (each bucket has its own)."""
         rule = self.admission
         if rule is None or ids.size == 0:
             return np.ones(ids.size, dtype=np.bool_), _NO_CELLS
@@ -329,8 +412,8 @@ class TableIds:
             return draw < rule.probability, _NO_CELLS
         assert rule.min_count is not None and self.arrays.sketch is not None
         sketch = self.arrays.sketch
-        width = np.uint64(sketch.shape[1])
-        cells = np.stack([(splitmix64(raw ^ salt) % width).astype(np.int64) for salt in _SKETCH_SALTS])
+        width, first = np.uint64(self.sketch_width), local_buckets * self.sketch_width
+        cells = np.stack([(splitmix64(raw ^ salt) % width).astype(np.int64) + first for salt in _SKETCH_SALTS])
         estimate = np.full(ids.size, _INT64_MAX, dtype=np.int64)
         for row, row_cells in enumerate(cells):
             # the cell's count once this step's sightings are added (ids sharing a cell add up)
@@ -340,32 +423,63 @@ class TableIds:
             estimate = np.minimum(estimate, sketch[row][row_cells].astype(np.int64) + added[where])
         return estimate >= rule.min_count, cells
 
-    def _rows_for(self, wanted: int, seen: np.ndarray, step: int) -> tuple[np.ndarray, Evictions]:
-        """Up to ``wanted`` rows: free ones first (lowest first), then the policy's victims among
-        the rows not ``seen`` this step."""
-        if wanted == 0:
-            return _NO_ROWS, Evictions.none()
-        free = np.flatnonzero(~self.arrays.in_use)[:wanted]
-        short = min(wanted - int(free.size), self.capacity - int(free.size) - int(seen.size))
-        if short <= 0:
-            return free, Evictions.none()
-        # Unique keys (the row breaks ties), so every rank picks the same victims.
-        if self.arrays.counts is not None:
-            rank = self.arrays.counts.astype(np.int64)
-        else:
-            assert self.arrays.last_step is not None
-            rank = _MAX_AGE - (np.uint32(step & _STEP_MASK) - self.arrays.last_step).astype(np.int64)
-        key = rank * self.capacity + np.arange(self.capacity)
-        key[seen] = _INT64_MAX
-        key[free] = _INT64_MAX
-        victims = np.argpartition(key, short - 1)[:short]
-        victims = victims[np.argsort(key[victims])]
-        return free, Evictions(torch.from_numpy(victims), torch.from_numpy(self.arrays.ids[victims].copy()))
+    def _rows_for(self, local_buckets: np.ndarray, seen: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """A row (in the arrays) for each admitted id, of the id's bucket (``local_buckets``), or -1
+        where its bucket has none left: free ones first (lowest first), then the policy's victims
+        among the bucket's rows not ``seen`` this step, in the ids' order; and those victims."""
+        if local_buckets.size == 0:
+            return _NO_ROWS, _NO_ROWS
+        count = len(self.buckets)
+        wanted = np.bincount(local_buckets, minlength=count)
+        free = np.flatnonzero(~self.arrays.in_use) if self.occupied < self.capacity else _NO_ROWS
+        free_firsts = np.searchsorted(free, self.bucket_starts)  # free is ascending: each bucket's run in it
+        free_counts = np.diff(free_firsts)
+        # each bucket's lowest free rows, as many as it wants: work in the rows taken, not the free ones
+        take = np.minimum(free_counts, wanted)
+        offsets = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)
+        taken_free = free[np.repeat(free_firsts[:-1], take) + offsets]
+        taken_buckets = np.repeat(np.arange(count), take)
+        sizes = np.diff(self.bucket_starts)
+        seen_counts = np.bincount(self._bucket_of_rows(seen), minlength=count)
+        short = np.maximum(np.minimum(wanted - free_counts, sizes - free_counts - seen_counts), 0)
+        victims = _NO_ROWS
+        needy = np.flatnonzero(short)
+        if needy.size:
+            # Unique keys (the row breaks ties), so every rank picks the same victims.
+            if self.arrays.counts is not None:
+                rank = self.arrays.counts.astype(np.int64)
+            else:
+                assert self.arrays.last_step is not None
+                rank = _MAX_AGE - (np.uint32(step & _STEP_MASK) - self.arrays.last_step).astype(np.int64)
+            key = rank * max(self.capacity, 1) + np.arange(self.capacity)
+            key[seen] = _INT64_MAX
+            key[free] = _INT64_MAX
+            chosen = []
+            for bucket in needy.tolist():
+                first, want = int(self.bucket_starts[bucket]), int(short[bucket])
+                part = key[first : int(self.bucket_starts[bucket + 1])]
+                picked = np.argpartition(part, want - 1)[:want]
+                chosen.append(picked[np.argsort(part[picked])] + first)
+            victims = np.concatenate(chosen)
+        # each bucket's rows to give, free then victims, and each admitted id's place in its bucket
+        available = np.concatenate((taken_free, victims))
+        available_buckets = np.concatenate((taken_buckets, np.repeat(needy, short[needy])))
+        order = np.argsort(available_buckets, kind="stable")
+        available = available[order]
+        available_counts = np.bincount(available_buckets, minlength=count)
+        by_bucket = np.argsort(local_buckets, kind="stable")
+        nth = np.empty(local_buckets.size, dtype=np.int64)
+        nth[by_bucket] = np.arange(local_buckets.size) - (np.cumsum(wanted) - wanted)[local_buckets[by_bucket]]
+        given = np.full(local_buckets.size, -1, dtype=np.int64)
+        has = nth < available_counts[local_buckets]
+        given[has] = available[(np.cumsum(available_counts) - available_counts)[local_buckets[has]] + nth[has]]
+        return given, victims
 
     def _interval(self, undo: Undo, step: int, now_ms: int) -> Evictions:
         arrays, eviction = self.arrays, self.eviction
         if arrays.sketch is not None:  # waiting ids' counts fade, so a trickle is never admitted by age alone
-            self._halve_sketch(undo)
+            undo.halve(arrays, "sketch")
+            self._recount_sketch()
         if arrays.counts is not None:
             undo.halve(arrays, "counts")
         if eviction.policy != "ttl":
@@ -380,18 +494,19 @@ class TableIds:
         self.index.delete(rows)
         undo.write(arrays, "in_use", rows)[rows] = False
         self.occupied -= int(rows.size)
-        return Evictions(torch.from_numpy(rows), torch.from_numpy(arrays.ids[rows].copy()))
+        return Evictions(torch.from_numpy(rows + self.start), torch.from_numpy(arrays.ids[rows].copy()))
 
     # --- reading ----------------------------------------------------------------------------
     def find(self, ids: np.ndarray) -> np.ndarray:
-        """The rows of ``ids`` (int64), -1 where an id has none."""
-        return self.index.find(ids)
+        """The rows of ``ids`` (int64, of the owned buckets), -1 where an id has none."""
+        rows = self.index.find(ids)
+        return np.where(rows >= 0, rows + self.start, rows)
 
     def live(self, arrays: TableArrays | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows holding live ids, ascending, and their raw ids: in this map, or in ``arrays``."""
         arrays = self.arrays if arrays is None else arrays
         rows = np.flatnonzero(arrays.in_use)
-        return torch.from_numpy(rows), torch.from_numpy(arrays.ids[rows].copy())
+        return torch.from_numpy(rows + self.start), torch.from_numpy(arrays.ids[rows].copy())
 
     def memory_bytes(self) -> int:
         """Bytes of the map: its arrays and index, which are made at their full size."""
@@ -405,42 +520,56 @@ class TableIds:
         return arrays
 
     # --- snapshots ---------------------------------------------------------------------------
-    def state_dict(self, step: int, arrays: TableArrays | None = None) -> dict[str, torch.Tensor]:
-        """The map (or ``arrays``, the map at ``step``) in the snapshot's format, unchanged since
-        the map kept every array per row at int64: arrays its policy does not keep are zeros."""
+    def state_dict(self, step: int, arrays: TableArrays | None = None) -> dict[str, dict[str, torch.Tensor]]:
+        """The map (or ``arrays``, the map at ``step``) in the snapshot's format: per owned bucket,
+        each array as int64 (arrays its policy does not keep are zeros), so that a bucket loads
+        whole on whichever rank owns it at restore."""
         arrays = self.arrays if arrays is None else arrays
-        n = self.capacity
-        zeros = np.zeros(n, dtype=np.int64)
         if arrays.last_step is not None:
             last_step = step - ((step & _STEP_MASK) - arrays.last_step.astype(np.int64)) % (1 << 32)
         else:
-            last_step = zeros
-        sketch = arrays.sketch.astype(np.int64) if arrays.sketch is not None else _NO_CELLS
-        return {
-            name: torch.from_numpy(np.ascontiguousarray(value))
-            for name, value in (
-                ("ids", arrays.ids.copy()),
-                ("in_use", arrays.in_use.copy()),
-                ("last_step", last_step),
-                ("last_time_ms", arrays.last_time_ms.copy() if arrays.last_time_ms is not None else zeros),
-                ("counts", arrays.counts.astype(np.int64) if arrays.counts is not None else zeros),
-                ("sketch", sketch),
-            )
+            last_step = np.zeros(self.capacity, dtype=np.int64)
+        per_row = {
+            "ids": arrays.ids,
+            "in_use": arrays.in_use,
+            "last_step": last_step,
+            "last_time_ms": arrays.last_time_ms,
+            "counts": arrays.counts.astype(np.int64) if arrays.counts is not None else None,
         }
+        state = {}
+        for at, bucket in enumerate(self.buckets):
+            first, end = int(self.bucket_starts[at]), int(self.bucket_starts[at + 1])
+            cells = slice(at * self.sketch_width, (at + 1) * self.sketch_width)
+            sketch = arrays.sketch[:, cells].astype(np.int64) if arrays.sketch is not None else _NO_CELLS
+            zeros = np.zeros(end - first, np.int64)
+            state[bucket_key(bucket)] = {
+                **{
+                    name: torch.from_numpy(zeros.copy() if value is None else value[first:end].copy())
+                    for name, value in per_row.items()
+                },
+                "sketch": torch.from_numpy(np.ascontiguousarray(sketch)),
+            }
+        return state
 
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
         arrays = self.arrays
-        arrays.ids[:] = state["ids"].numpy()
-        arrays.in_use[:] = state["in_use"].numpy()
-        if arrays.last_step is not None:
-            arrays.last_step[:] = state["last_step"].numpy() & _STEP_MASK
-        if arrays.last_time_ms is not None:
-            arrays.last_time_ms[:] = state["last_time_ms"].numpy()
-        if arrays.counts is not None:
-            arrays.counts[:] = np.minimum(state["counts"].numpy(), _COUNT_MAX)
-        if arrays.sketch is not None:  # absent where the snapshot's admission kept no sketch of this size
-            arrays.sketch[:] = np.minimum(state["sketch"].numpy(), _SKETCH_MAX) if "sketch" in state else 0
-            self.sketch_total = int(arrays.sketch.sum(dtype=np.int64))
+        for at, bucket in enumerate(self.buckets):
+            first, end = int(self.bucket_starts[at]), int(self.bucket_starts[at + 1])
+            part = state[bucket_key(bucket)]
+            arrays.ids[first:end] = part["ids"].numpy()
+            arrays.in_use[first:end] = part["in_use"].numpy()
+            if arrays.last_step is not None:
+                arrays.last_step[first:end] = part["last_step"].numpy() & _STEP_MASK
+            if arrays.last_time_ms is not None:
+                arrays.last_time_ms[first:end] = part["last_time_ms"].numpy()
+            if arrays.counts is not None:
+                arrays.counts[first:end] = np.minimum(part["counts"].numpy(), _COUNT_MAX)
+            if arrays.sketch is not None:
+                cells = slice(at * self.sketch_width, (at + 1) * self.sketch_width)
+                # absent where the snapshot's admission kept no sketch of this size: its ids count from zero
+                arrays.sketch[:, cells] = np.minimum(part["sketch"].numpy(), _SKETCH_MAX) if "sketch" in part else 0
+        if arrays.sketch is not None:
+            self._recount_sketch()
         rows = np.flatnonzero(arrays.in_use)
         self.index.clear()
         try:
@@ -451,15 +580,22 @@ class TableIds:
 
 
 class IdMapping:
-    """All managed tables' maps, and the step they have reached."""
+    """All managed tables' maps (of the buckets ``rank`` owns), and the step they have reached."""
 
-    def __init__(self, tables: Sequence[TableConfig]):
-        self.tables = {t.name: TableIds(t) for t in tables}
+    def __init__(self, tables: Sequence[TableConfig], rank: int = 0, world_size: int = 1):
+        self.tables = {t.name: TableIds(t, owned_buckets(t, rank, world_size)) for t in tables}
         self.step = 0
 
-    def update(self, ids: dict[str, torch.Tensor], now_ms: int) -> dict[str, TableStep]:
+    def update(
+        self, ids: dict[str, torch.Tensor], now_ms: int, counts: dict[str, torch.Tensor] | None = None
+    ) -> dict[str, TableStep]:
+        """Map each table's ``ids`` of the step: all ranks' ids of the owned buckets, each seen
+        ``counts`` times (once by default)."""
         self.step += 1
-        return {name: table.update(ids[name], self.step, now_ms) for name, table in self.tables.items()}
+        return {
+            name: table.update(ids[name], self.step, now_ms, counts[name] if counts else None)
+            for name, table in self.tables.items()
+        }
 
     def state_dict(self, undone: Sequence[dict[str, TableStep]] = ()) -> dict[str, object]:
         """The map, or the map before ``undone``, its newest steps in order."""
@@ -483,12 +619,9 @@ class _Mapped:
     """A batch mapped ahead of training: what its step did to each table (with its undo, which the
     cut needs until the batch has trained), and the rows to reset before its forward pass."""
 
-    steps: dict[str, TableStep]
+    steps: dict[str, TableStep]  # of this rank's buckets
     step: int
-
-    @property
-    def fresh(self) -> dict[str, torch.Tensor]:
-        return {name: step.assigned for name, step in self.steps.items()}
+    fresh: dict[str, torch.Tensor]  # rows given to new ids in every rank's buckets, ascending
 
 
 class IdSpace:
@@ -508,8 +641,15 @@ class IdSpace:
         self.features = features
         self.world_size = world_size
         self.group = group
+        self.rank = dist.get_rank(group) if world_size > 1 else 0
         self.metrics = metrics
-        self.mapping = IdMapping(self.tables)  # mapped up to the newest batch in flight
+        # mapped up to the newest batch in flight, for this rank's buckets
+        self.mapping = IdMapping(self.tables, self.rank, world_size)
+        # the rank that owns each bucket, per table
+        self.owners = {
+            t.name: np.repeat(np.arange(world_size), [len(owned_buckets(t, r, world_size)) for r in range(world_size)])
+            for t in self.tables
+        }
         self.in_flight: deque[_Mapped] = deque()  # mapped, not yet trained: the cut undoes them
         self.to_reset: deque[_Mapped] = deque()  # mapped, forward pass not yet started
         self.resetter: RowResetter | None = None
@@ -517,12 +657,14 @@ class IdSpace:
         # The id-space step after which the log holds every eviction: a restore starts it afresh.
         self.eviction_log_from = 0
         if metrics:
-            for t in self.tables:
-                metrics.rows.labels(t.name).set(t.live_rows())
+            for name, table in self.mapping.tables.items():
+                metrics.rows.labels(name).set(table.capacity)
 
     # --- the stage -------------------------------------------------------------------------
     def translate(self, batch: ClickBatch) -> ClickBatch:
-        """``batch`` with its managed tables' raw ids replaced by rows."""
+        """``batch`` with its managed tables' raw ids replaced by rows: each id is sent to the rank
+        that owns its bucket, mapped there, and its row sent back."""
+        started = time.perf_counter()
         features = batch.sparse_features
         device = features.values().device
         per_key = dict(zip(features.keys(), features.values().cpu().split(features.length_per_key()), strict=True))
@@ -530,19 +672,32 @@ class IdSpace:
         # one far-future event (microseconds in a millisecond field) would make every row stale: the
         # worker counts the clamped events (streamtrain_event_times_clamped_total)
         newest = min(int(batch.event_time_ms.max()), self.features.event_time_bound_ms()) if batch.size else 0
-        everyone, now_ms, mine = self._gather(own, newest)
-        steps = self.mapping.update(everyone, now_ms)
-        mapped = _Mapped(steps, self.mapping.step)
-        self.in_flight.append(mapped)
-        self.to_reset.append(mapped)
-        for name, step in steps.items():
-            per_key[name] = step.rows[mine[name]]
-            self._count(name, step, mine[name])
+        per_key.update(self.map_step(own, newest))
         values = torch.cat(list(per_key.values()))  # in the KJT's key order, as split
         if features.values().is_pinned():  # so the pipeline's copy to the GPU stays asynchronous
             values = values.pin_memory()
         translated = KeyedJaggedTensor(keys=features.keys(), values=values.to(device), lengths=features.lengths())
+        if self.metrics:
+            self.metrics.step_seconds.observe(time.perf_counter() - started)
         return replace(batch, sparse_features=translated)
+
+    def map_step(self, own: dict[str, torch.Tensor], newest: int) -> dict[str, torch.Tensor]:
+        """Map one step: ``own``, this rank's raw ids per managed table, whose newest event is at
+        ``newest``; their rows, in order. The step joins those in flight."""
+        if self.world_size == 1:
+            steps = self.mapping.update(own, newest)
+            rows = {name: step.rows for name, step in steps.items()}
+            fresh = {name: torch.from_numpy(np.sort(step.assigned.numpy())) for name, step in steps.items()}
+        else:
+            exchange = _Exchange(self, own, newest)
+            steps = self.mapping.update(exchange.received, exchange.now_ms, exchange.counts)
+            rows, fresh = exchange.back(steps)
+        mapped = _Mapped(steps, self.mapping.step, fresh)
+        self.in_flight.append(mapped)
+        self.to_reset.append(mapped)
+        for name, step in steps.items():
+            self._count(name, step, rows[name])
+        return rows
 
     def before_forward(self) -> None:
         """The next batch's forward pass starts: re-initialise the rows its step gave away."""
@@ -563,46 +718,15 @@ class IdSpace:
                 log_.popleft()
         self.eviction_log_from = max(self.eviction_log_from, mapped.step - _EVICTION_LOG_STEPS)
 
-    def _gather(
-        self, own: dict[str, torch.Tensor], newest: int
-    ) -> tuple[dict[str, torch.Tensor], int, dict[str, slice]]:
-        """Every rank's ids per table in rank order, the step's newest event time, and where this
-        rank's ids sit among them."""
-        names = list(own)
-        if self.world_size == 1:
-            return own, newest, {n: slice(0, int(v.numel())) for n, v in own.items()}
-        header = torch.tensor([newest, *(int(own[n].numel()) for n in names)], dtype=torch.int64)
-        flat = torch.cat([header, *(own[n] for n in names)])
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([flat.numel()]), group=self.group)
-        longest = max(int(s) for s in sizes)
-        padded = torch.zeros(longest, dtype=torch.int64)
-        padded[: flat.numel()] = flat
-        parts = [torch.empty(longest, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(parts, padded, group=self.group)
-        me = dist.get_rank(self.group)
-        everyone: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-        mine: dict[str, slice] = {}
-        for rank, part in enumerate(parts):
-            at = 1 + len(names)
-            for i, name in enumerate(names):
-                count = int(part[1 + i])
-                if rank == me:
-                    before = sum(int(p.numel()) for p in everyone[name])
-                    mine[name] = slice(before, before + count)
-                everyone[name].append(part[at : at + count])
-                at += count
-        now_ms = max(int(p[0]) for p in parts)
-        return {n: torch.cat(v) for n, v in everyone.items()}, now_ms, mine
-
-    def _count(self, name: str, step: TableStep, mine: slice) -> None:
+    def _count(self, name: str, step: TableStep, rows: torch.Tensor) -> None:
+        """``step``: this rank's buckets'; ``rows``: of this rank's own events."""
         if self.metrics is None:
             return
         metrics, table = self.metrics, self.mapping.tables[name]
         metrics.admissions.labels(name).inc(int(step.assigned.numel()))
         metrics.evictions.labels(name, "capacity").inc(len(step.evicted))
         metrics.evictions.labels(name, "ttl").inc(len(step.expired))
-        metrics.unknown_lookups.labels(name).inc(int(step.unknown[mine].sum()))
+        metrics.unknown_lookups.labels(name).inc(int((rows == table.unknown_row).sum()))
         metrics.rows_in_use.labels(name).set(table.occupied)
         metrics.memory_bytes.labels(name).set(self._table_bytes(name))
 
@@ -649,6 +773,84 @@ class IdSpace:
     def step(self) -> int:
         """The id-space step of the cut: how many steps the trained batches took."""
         return self.mapping.step - len(self.in_flight)
+
+
+class _Exchange:
+    """One step's ids sent to the ranks that own their buckets, and their rows sent back, over
+    two all-to-alls (sizes, then ids) on the way out and two collectives (sizes, then rows with
+    every rank's fresh rows) on the way back. A rank sends each distinct id once, with how often
+    its events hold it, so a popular id costs its owner no more than a rare one."""
+
+    def __init__(self, id_space: IdSpace, own: dict[str, torch.Tensor], newest: int):
+        self.group, world, self.names = id_space.group, id_space.world_size, list(own)
+        self.world = world
+        self.order: dict[str, torch.Tensor] = {}  # per table: distinct ids by owner, as positions
+        self.inverse: dict[str, torch.Tensor] = {}  # per table: each own id's distinct id
+        header = torch.zeros(world, 1 + len(own), dtype=torch.int64)  # per owner: newest, ids per table
+        header[:, 0] = newest
+        outgoing = []
+        for at, (name, values) in enumerate(own.items()):
+            distinct, self.inverse[name], counts = torch.unique(values, return_inverse=True, return_counts=True)
+            table = id_space.mapping.tables[name]
+            owners = id_space.owners[name][buckets_of(distinct.numpy(), table.bucket_count)]
+            self.order[name] = torch.from_numpy(np.argsort(owners, kind="stable"))
+            header[:, 1 + at] = torch.from_numpy(np.bincount(owners, minlength=world))
+            outgoing.append((distinct[self.order[name]], counts[self.order[name]]))
+        self.sent = header[:, 1:]  # [owner, table]
+        incoming = torch.empty_like(header)
+        dist.all_to_all_single(incoming, header, group=self.group)
+        self.now_ms = int(incoming[:, 0].max())
+        self.got = incoming[:, 1:]  # [sender, table]
+        # to each owner, for every table in turn, its distinct ids then their counts
+        per_owner = [
+            (ids.split(self.sent[:, at].tolist()), n.split(self.sent[:, at].tolist()))
+            for at, (ids, n) in enumerate(outgoing)
+        ]
+        send = torch.cat([piece for owner in range(world) for ids, n in per_owner for piece in (ids[owner], n[owner])])
+        received = torch.empty(2 * int(self.got.sum()), dtype=torch.int64)
+        out_sizes, in_sizes = (2 * self.got.sum(1)).tolist(), (2 * self.sent.sum(1)).tolist()
+        dist.all_to_all_single(received, send, out_sizes, in_sizes, group=self.group)
+        pieces = received.split([size for n in self.got.reshape(-1).tolist() for size in (n, n)])
+        # pieces: per sender, per table, ids then counts
+        tables = len(own)
+        self.received = {
+            name: torch.cat([pieces[2 * (sender * tables + at)] for sender in range(world)])
+            for at, name in enumerate(self.names)
+        }
+        self.counts = {
+            name: torch.cat([pieces[2 * (sender * tables + at) + 1] for sender in range(world)])
+            for at, name in enumerate(self.names)
+        }
+
+    def back(self, steps: dict[str, TableStep]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The rows of this rank's own ids per table, in their order, and every rank's fresh rows
+        per table, ascending."""
+        world, tables = self.world, len(self.names)
+        assigned = [steps[name].assigned for name in self.names]
+        fresh_counts = torch.tensor([int(a.numel()) for a in assigned], dtype=torch.int64)
+        every_fresh = [torch.empty_like(fresh_counts) for _ in range(world)]
+        dist.all_gather(every_fresh, fresh_counts, group=self.group)
+        # to each sender, the rows of its ids of every table in turn, then this rank's fresh rows
+        answers = [steps[name].rows.split(self.got[:, at].tolist()) for at, name in enumerate(self.names)]
+        send = torch.cat(
+            [piece for sender in range(world) for piece in (*(answers[at][sender] for at in range(tables)), *assigned)]
+        )
+        sizes = [int(self.sent[owner].sum()) + int(every_fresh[owner].sum()) for owner in range(world)]
+        received = torch.empty(sum(sizes), dtype=torch.int64)
+        theirs = [int(self.got[sender].sum()) + int(fresh_counts.sum()) for sender in range(world)]
+        dist.all_to_all_single(received, send, sizes, theirs, group=self.group)
+        per_owner = received.split(sizes)
+        parts = [
+            per_owner[owner].split([*self.sent[owner].tolist(), *every_fresh[owner].tolist()]) for owner in range(world)
+        ]
+        rows, fresh = {}, {}
+        for at, name in enumerate(self.names):
+            in_order = torch.cat([part[at] for part in parts])
+            distinct_rows = torch.empty_like(in_order)
+            distinct_rows[self.order[name]] = in_order
+            rows[name] = distinct_rows[self.inverse[name]]
+            fresh[name] = torch.from_numpy(np.sort(torch.cat([part[tables + at] for part in parts]).numpy()))
+        return rows, fresh
 
 
 @dataclass(frozen=True)

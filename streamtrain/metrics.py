@@ -220,9 +220,10 @@ class Health:
 
 
 class IdSpaceMetrics:
-    """Managed tables' id space (streamtrain/idspace.py), labelled table=<name>. The mapping is the
-    same on every rank, so each rank reports the same occupancy, admissions, evictions and memory
-    (aggregate them with max); the unknown lookups are this rank's own events' (sum them)."""
+    """Managed tables' id space (streamtrain/idspace.py), labelled table=<name>. Each rank holds and
+    maps the buckets it owns, so its rows, occupancy, admissions, evictions and memory are its
+    share (sum them over the ranks); the unknown lookups are this rank's own events' (sum them too).
+    The step time is this rank's, for all its managed tables."""
 
     def __init__(self, registry: CollectorRegistry):
         self.rows_in_use = Gauge(
@@ -232,7 +233,10 @@ class IdSpaceMetrics:
             registry=registry,
         )
         self.rows = Gauge(
-            "streamtrain_idspace_rows", "Rows of a managed table that live ids can hold.", ["table"], registry=registry
+            "streamtrain_idspace_rows",
+            "Rows of a managed table that live ids can hold, in this rank's buckets.",
+            ["table"],
+            registry=registry,
         )
         self.admissions = Counter(
             "streamtrain_idspace_admissions", "New ids given a row of a managed table.", ["table"], registry=registry
@@ -253,6 +257,13 @@ class IdSpaceMetrics:
             "streamtrain_idspace_memory_bytes",
             "Host memory of a managed table's mapping: its arrays and index, and the undo of the steps in flight.",
             ["table"],
+            registry=registry,
+        )
+        self.step_seconds = Histogram(
+            "streamtrain_idspace_step_seconds",
+            "Time to map one step's batch on this rank, every managed table: the ids sent to the ranks owning "
+            "their buckets, mapped there, and their rows back.",
+            buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
             registry=registry,
         )
 

@@ -459,8 +459,16 @@ def test_idspace_benchmark_trains_one_drifting_stream_hash_managed_and_reference
     assert 0.6 < saved["managed_auc"] < saved["bayes_auc"] + 0.02 and saved["throughput_ratio"] > 0
     assert legs["managed"]["state_bytes"] <= legs["hash"]["state_bytes"], "the managed leg must fit the same memory"
     assert "managed - hash" in printed and "throughput managed / hash" in printed
+    # the scale leg: real ranks at 1, 2 and 4 share the map's memory and ids evenly
+    scale = saved["scale"]
+    assert set(scale["world_sizes"]) == {"1", "2", "4"} and all(
+        len(r) == int(w) for w, r in scale["world_sizes"].items()
+    )
+    assert scale["memory_per_rank_ratio"] <= 1.2 and scale["ids_per_rank_ratio"] <= 1.3
+    assert scale["projected_step_seconds_8x32k"] > 0 and "projected map time a step" in printed
     tailed = saved["tailed"]
     assert tailed["drift"]["one_off"] == pytest.approx(1 / 3) and tailed["managed_admission"] == {"min_count": 2}
+    assert "scale" not in tailed  # the scale leg reads no stream: it runs once
     assert all(tailed["distinct_ids"][t] > 2 * n for t, n in saved["distinct_ids"].items()), tailed["distinct_ids"]
     for name in ("hash_auc", "managed_auc", "reference_auc"):
         assert 0.55 < tailed[name] < tailed["bayes_auc"] + 0.02, (name, tailed)

@@ -4,6 +4,7 @@ tensors, and a warm start from another run's snapshot takes its weights but not 
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import shutil
@@ -126,6 +127,24 @@ def test_fingerprint_refuses_what_shapes_the_tensors_or_maps_the_rows(change):
     base, other = parse_config(raw_config("/unused"), environ={}), parse_config(raw, environ={})
     differences = fingerprint_differences(compatibility_fingerprint(other), compatibility_fingerprint(base), other)
     assert any(expected in d for d in differences), differences
+
+
+def test_a_snapshot_from_before_id_buckets_is_refused_with_the_partial_restore_route():
+    tables = [
+        {**{k: v for k, v in t.items() if k != "num_embeddings"}, "id_mapping": "managed", "rows": 1000}
+        if t["name"] == "user_id"
+        else t
+        for t in raw_config("/unused")["features"]["tables"]
+    ]
+    config = parse_config(_changed("features.tables", tables), environ={})
+    ours = compatibility_fingerprint(config)
+    theirs = copy.deepcopy(ours)
+    del theirs["tables"]["user_id"]["buckets"]  # as written before buckets existed
+    (reason,) = fingerprint_differences(ours, theirs, config)
+    assert "before managed id maps had buckets" in reason and "--allow-partial-restore" in reason
+    theirs["tables"]["user_id"]["buckets"] = ours["tables"]["user_id"]["buckets"] + 1
+    (reason,) = fingerprint_differences(ours, theirs, config)  # a changed count is a plain difference
+    assert reason.startswith("tables.user_id.buckets: ")
 
 
 def test_fingerprint_version_1_snapshots_restore_if_nothing_changed_else_are_refused_with_a_reason():

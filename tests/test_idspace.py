@@ -23,12 +23,15 @@ from streamtrain.delivery.publisher import table_keys
 from streamtrain.dev.kafka import free_port
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 from streamtrain.device import gloo_group, init_distributed
-from streamtrain.idspace import IdMapping, IdSpace, TableIds, TableStep
+from streamtrain.idspace import IdMapping, IdSpace, TableIds, TableStep, whole_map
 from streamtrain.source import RawEvent
 from streamtrain.train import Trainer
 
-# Small tables for the stream's Zipf ids (a million users), so rows are evicted from the first steps.
+# Small tables for the stream's Zipf ids (a million users), so rows are evicted from the first steps;
+# split into buckets that 2 and 3 ranks share unevenly (din's history table in 2: at 3 ranks, one
+# rank owns none of them).
 ROWS = {"user_id": 200, "adgroup_id": 300}
+BUCKETS = {"user_id": 4, "adgroup_id": 3, "recent_cate_ids": 2}
 # Every new id gets a row at its first sighting (the default admission waits for a second).
 EVERY_ID = {"probability": 1}
 GLOBAL_BATCH = 256
@@ -47,6 +50,7 @@ def managed_raw(
             table.update(
                 id_mapping="managed",
                 rows=rows[table["name"]],
+                buckets=BUCKETS[table["name"]],
                 eviction={"policy": "lru", "interval_steps": 4},
                 admission=EVERY_ID,
             )
@@ -200,7 +204,7 @@ def test_ids_seen_once_do_not_fill_the_admission_sketch_however_long_the_interva
     assert (ahead.tables["t"].find(recurring) >= 0).all()
     for values in steps[:-2]:
         behind.update({"t": values}, now_ms=0)
-    halvings = [rows is None for r in results[-2:] for _name, rows, _old in r["t"].undo.writes]
+    halvings = [isinstance(rows, slice) for r in results[-2:] for _name, rows, _old in r["t"].undo.writes]
     assert any(halvings), "no halving in the steps in flight: nothing to take back"
     assert_same_state(ahead.state_dict(results[-2:]), behind.state_dict())
 
@@ -271,7 +275,7 @@ def test_the_cut_tells_deltas_each_rows_raw_id_and_what_was_evicted_since_a_step
     assert_same_state(id_space.state_dict(), oracle(steps[:2], {"user_id": 40}))
     rows, raw_ids = id_space.raw_ids("user_id")
     at_cut = id_space.state_dict()["user_id"]
-    assert rows.tolist() == list(range(39)) and raw_ids.tolist() == [int(at_cut["ids"][r]) for r in rows]
+    assert rows.tolist() == list(range(39)) and raw_ids.tolist() == [int(whole_map(at_cut)[0][r]) for r in rows]
     since_first, since_start = id_space.evicted_since("user_id", 1), id_space.evicted_since("user_id", 0)
     assert since_first is not None and since_start is not None
     assert 0 < len(since_first) <= len(since_start)  # step 2 evicted; step 1 filled free rows
@@ -302,7 +306,7 @@ def rank_batches(decoder: AvroBatchDecoder, rank: int, world_size: int, steps: l
     for number, events in enumerate(steps):
         mine = [] if (world_size > 1 and rank == 1 and number == 3) else events[rank::world_size]
         if world_size > 1 and rank == 0 and number == 3:
-            mine = events
+            mine = events[0::world_size] + events[1::world_size]  # rank 1's too
         out.append(decoder.decode(mine).batch.in_global_step(len(events), world_size))
     return out
 
@@ -376,18 +380,28 @@ MANAGED_UNDER = {"dlrm": ROWS, "dcn_v2": ROWS, "deepfm": ROWS, "din": {**ROWS, "
 
 
 # Each optimizer once and each architecture once: the resets are written into the kernels whatever
-# model holds them, so the pairs cover both without the product of the two.
+# model holds them, so the pairs cover both without the product of the two. Three ranks once, so
+# that the buckets are not split evenly.
 @pytest.mark.parametrize(
-    ("optimizer", "architecture"),
-    [("row_wise_adagrad", "dlrm"), ("adagrad", "dcn_v2"), ("sgd", "deepfm"), ("row_wise_adagrad", "din")],
+    ("optimizer", "architecture", "world_size"),
+    [("row_wise_adagrad", "dlrm", 2), ("adagrad", "dcn_v2", 2), ("sgd", "deepfm", 2), ("row_wise_adagrad", "din", 3)],
 )
-def test_two_ranks_map_every_id_to_one_row_alone_and_evicted_rows_start_fresh(tmp_path, optimizer, architecture):
-    mp.spawn(_consistency_rank, args=(2, free_port(), str(tmp_path), optimizer, architecture), nprocs=2)
-    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def test_ranks_map_every_id_to_one_row_alone_and_evicted_rows_start_fresh(
+    tmp_path, optimizer, architecture, world_size
+):
+    mp.spawn(
+        _consistency_rank,
+        args=(world_size, free_port(), str(tmp_path), optimizer, architecture),
+        nprocs=world_size,
+    )
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
-    # rank-consistent: both ranks hold the same map, ahead and at the cut
-    assert_same_state(results[0]["at_cut"], results[1]["at_cut"])
-    assert_same_state(results[0]["ahead"], results[0]["at_cut"])
+    # rank-consistent: each rank holds its buckets' map, and together they are the map one process
+    # builds from the same global steps; every batch has trained, so the cut is the map itself
+    for result in results:
+        assert_same_state(result["ahead"], result["at_cut"])
+    assert_same_state(merged([r["at_cut"] for r in results]), oracle(global_batches(), MANAGED_UNDER[architecture]))
+    assert all(set(r["at_cut"]["user_id"]) for r in results), "a rank owns no bucket"
     # collision-free over the ranks: at each step an id has one row, and a row one id (but unknown)
     unknown = {name: rows - 1 for name, rows in MANAGED_UNDER[architecture].items()}
     row_of: dict[tuple, set[int]] = defaultdict(set)
@@ -401,13 +415,24 @@ def test_two_ranks_map_every_id_to_one_row_alone_and_evicted_rows_start_fresh(tm
                 id_of[step, name, row].add(raw_id)
     assert all(len(rows) == 1 for rows in row_of.values()), "an id got two rows in one step"
     assert all(len(ids) == 1 for ids in id_of.values()), "two ids shared a row in one step"
-    assert sum(len(r) == 2 for r in readers.values()) > 20  # ids both ranks read at the same step
+    assert sum(len(r) >= 2 for r in readers.values()) > 20  # ids several ranks read at the same step
     assert any(row == unknown["adgroup_id"] for (_s, name, _i), (row,) in row_of.items() if name == "adgroup_id")
     # fresh rows: evicted rows were reused, re-initialised, their optimizer state zeroed
     checked = [r["checked"] for r in results]
     assert sum(c["rows"] for c in checked) >= sum(ROWS.values()), checked
     if optimizer != "sgd":  # sgd keeps no state
         assert sum(c["state_was_set"] for c in checked) > 50, checked
+
+
+def merged(states: list[dict]) -> dict:
+    """The whole map from each rank's: the buckets of every rank, side by side."""
+    whole: dict = {"step": states[0]["step"]}
+    for state in states:
+        assert torch.equal(state["step"], whole["step"])
+        for name in (k for k in state if k != "step"):
+            assert not set(whole.get(name, {})) & set(state[name]), "two ranks hold one bucket"
+            whole[name] = {**whole.get(name, {}), **state[name]}
+    return whole
 
 
 def assert_same_state(ours: dict, theirs: dict) -> None:
@@ -467,22 +492,26 @@ def oracle(steps: list[list[RawEvent]], rows: dict[str, int] = ROWS) -> dict:
     return mapping.state_dict()
 
 
-def test_the_snapshot_holds_the_map_of_the_trained_batches_and_restores_at_another_world_size(tmp_path):
-    mp.spawn(_snapshot_rank, args=(2, free_port(), str(tmp_path), "first"), nprocs=2)
-    first = torch.load(tmp_path / "first0.pt", weights_only=False)
-    assert first["mapped_ahead"] > SNAPSHOT_STEP  # the pipeline had mapped batches beyond the cut
+@pytest.mark.parametrize("first, then", [(2, 3), (3, 1)])
+def test_the_snapshot_holds_the_map_of_the_trained_batches_and_restores_at_another_world_size(tmp_path, first, then):
+    """Each bucket moves whole to its owner at the new world size: every id keeps its row."""
+    mp.spawn(_snapshot_rank, args=(first, free_port(), str(tmp_path), "first"), nprocs=first)
+    before = [torch.load(tmp_path / f"first{r}.pt", weights_only=False) for r in range(first)]
+    assert before[0]["mapped_ahead"] > SNAPSHOT_STEP  # the pipeline had mapped batches beyond the cut
 
-    mp.spawn(_snapshot_rank, args=(1, free_port(), str(tmp_path), "restored"), nprocs=1)
-    restored = torch.load(tmp_path / "restored0.pt", weights_only=False)
+    mp.spawn(_snapshot_rank, args=(then, free_port(), str(tmp_path), "restored"), nprocs=then)
+    after = [torch.load(tmp_path / f"restored{r}.pt", weights_only=False) for r in range(then)]
     steps = global_batches()
     # the cut's map is that of exactly the trained steps, not of the ones mapped ahead
-    assert_same_state(restored["restored"], oracle(steps[:SNAPSHOT_STEP]))
-    # one rank continuing from it maps as the two uninterrupted ranks did, and as the oracle does
-    assert_same_state(restored["final"], first["final"])
-    assert_same_state(first["final"], oracle(steps))
+    restored = merged([r["restored"] for r in after])
+    assert_same_state(restored, oracle(steps[:SNAPSHOT_STEP]))
+    # the ranks continuing from it map as the uninterrupted ranks did, and as the oracle does
+    final = merged([r["final"] for r in after])
+    assert_same_state(final, merged([r["final"] for r in before]))
+    assert_same_state(final, oracle(steps))
     for name in ROWS:
-        live = restored["final"][name]["ids"][restored["final"][name]["in_use"]]
-        assert live.unique().numel() == live.numel(), f"{name}: an id holds two rows after the restore"
+        ids, in_use = whole_map(final[name])
+        assert ids[in_use].unique().numel() == int(in_use.sum()), f"{name}: an id holds two rows after the restore"
 
 
 def checkpointer_of(config, trainer: Trainer) -> Checkpointer:
@@ -508,9 +537,11 @@ def test_a_snapshot_restores_under_another_admission_and_ids_waiting_for_one_cou
     assert restored is not None and restored.step == 2
     before, after = trainer.id_space.state_dict(), other.id_space.state_dict()
     for name in ROWS:
-        for key in ("ids", "in_use", "last_step"):
-            assert torch.equal(after[name][key], before[name][key]), (name, key)
-    assert int(after["user_id"]["sketch"].count_nonzero()) == 0 and after["adgroup_id"]["sketch"].numel() == 0
+        for bucket, part in before[name].items():
+            for key in ("ids", "in_use", "last_step"):
+                assert torch.equal(after[name][bucket][key], part[key]), (name, bucket, key)
+    assert all(int(part["sketch"].count_nonzero()) == 0 for part in after["user_id"].values())
+    assert all(part["sketch"].numel() == 0 for part in after["adgroup_id"].values())
 
 
 def test_a_snapshot_with_other_rows_is_refused_clearly_and_a_partial_restore_starts_that_map_empty(tmp_path):

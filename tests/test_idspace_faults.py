@@ -21,12 +21,14 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from conftest import SCHEMA, SMALL_CONFIG, end_offsets
 from streamtrain.checkpoint import list_snapshots
 from streamtrain.dev.produce import produce
+from streamtrain.idspace import whole_map
 from test_checkpoint import final_stream
 
 pytestmark = pytest.mark.integration
 
 PARTITIONS = 4
 ROWS = {"user_id": 400, "adgroup_id": 300}
+BUCKETS = {"user_id": 4, "adgroup_id": 3}
 
 
 def managed_config(path: Path) -> Path:
@@ -34,7 +36,7 @@ def managed_config(path: Path) -> Path:
     for table in raw["features"]["tables"]:
         if table["name"] in ROWS:
             del table["num_embeddings"]
-            table.update(id_mapping="managed", rows=ROWS[table["name"]])
+            table.update(id_mapping="managed", rows=ROWS[table["name"]], buckets=BUCKETS[table["name"]])
     user, ad = raw["features"]["tables"][:2]
     user["eviction"] = {"policy": "lru", "interval_steps": 5}
     user["admission"] = {"probability": 1}  # every new id at once; the ad table waits for a second sighting
@@ -77,12 +79,15 @@ def test_exactly_once_across_sigkills_with_eviction_active_and_a_restore_on_fewe
             if trial == 0:
                 samples = [r.scrape() for r in ranks]
                 for name, rows in ROWS.items():
-                    # the map is the same on both ranks, so are its figures
-                    assert per_table(samples[0], "streamtrain_idspace_rows", name) == rows - 1
-                    assert 0 < per_table(samples[0], "streamtrain_idspace_rows_in_use", name) <= rows - 1
-                    assert per_table(samples[0], "streamtrain_idspace_admissions_total", name) > 0
-                    assert per_table(samples[0], "streamtrain_idspace_memory_bytes", name) > 0
-                assert per_table(samples[0], "streamtrain_idspace_evictions_total", "user_id") > 0
+                    # each rank holds its buckets' share of the map, and reports it
+                    assert sum(per_table(s, "streamtrain_idspace_rows", name) for s in samples) == rows - 1
+                    for s in samples:
+                        assert 0 < per_table(s, "streamtrain_idspace_rows", name) < rows - 1
+                        assert per_table(s, "streamtrain_idspace_rows_in_use", name) > 0
+                        assert per_table(s, "streamtrain_idspace_admissions_total", name) > 0
+                        assert per_table(s, "streamtrain_idspace_memory_bytes", name) > 0
+                assert sum(per_table(s, "streamtrain_idspace_evictions_total", "user_id") for s in samples) > 0
+                assert all(s.get("streamtrain_idspace_step_seconds_count", 0) > 5 for s in samples)
                 assert sum(per_table(s, "streamtrain_idspace_unknown_lookups_total", "adgroup_id") for s in samples) > 0
             time.sleep(rng.uniform(0.0, 2.0))
             victim = rng.choice(["rank 0", "rank 1", "all"])
@@ -95,7 +100,7 @@ def test_exactly_once_across_sigkills_with_eviction_active_and_a_restore_on_fewe
     produced = end_offsets(kafka, topic_name)
     assert sum(produced.values()) == 200 + producer.produced()
 
-    # one rank takes over the 2-rank snapshots: the replicated map loads at any world size
+    # one rank takes over the 2-rank snapshots: it loads every bucket
     catch_up = {"STREAMTRAIN_BATCHING__BATCH_SIZE": "1024", "STREAMTRAIN_CHECKPOINT__INTERVAL_STEPS": "10"}
     survivor = start_worker(topic_name, "--until-end", config=config, env=env | catch_up)
     assert survivor.wait(timeout=300) == 0, survivor.output()[-3000:]
@@ -110,5 +115,6 @@ def test_exactly_once_across_sigkills_with_eviction_active_and_a_restore_on_fewe
         # the map took exactly the steps whose weights and positions the snapshot holds
         assert int(id_space["step"]) == snapshot.metadata["stream"]["step"]
         for name in ROWS:
-            live = id_space[name]["ids"][id_space[name]["in_use"]]
-            assert live.unique().numel() == live.numel(), f"{snapshot.path}: an id of {name} holds two rows"
+            ids, in_use = whole_map(id_space[name])
+            assert in_use.numel() == ROWS[name] - 1, f"{snapshot.path}: {name}'s buckets are not all there"
+            assert ids[in_use].unique().numel() == int(in_use.sum()), f"{snapshot.path}: an id of {name} in two rows"

@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streamtrain.bench.common import machine
+from streamtrain.bench.idspace_scale import lines as scale_lines
+from streamtrain.bench.idspace_scale import scale_leg
 
 if TYPE_CHECKING:
     from streamtrain.config import WorkerConfig
@@ -88,6 +90,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"YAML merged into each managed table's section: its eviction and admission (default {DEFAULT_MANAGED!r})",
     )
     parser.add_argument(
+        "--scale-rows", type=int, default=1_000_000, help="the scale leg's managed table rows (default 1,000,000)"
+    )
+    parser.add_argument(
+        "--scale-ids", type=int, default=65_536, help="the scale leg's global ids a step (default 65,536)"
+    )
+    parser.add_argument("--scale-steps", type=int, default=30, help="the scale leg's steps (default 30)")
+    parser.add_argument(
         "--one-off",
         type=float,
         default=ONE_OFF,
@@ -104,16 +113,21 @@ class Sizes:
     rows: int
     reference_rows: int
     drift: Drift
+    # the scale leg's rows, global ids a step, steps; None skips it
+    scale: tuple[int, int, int] | None = (1_000_000, 65_536, 30)
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     from streamtrain.dev.drift import Drift
 
     if args.quick:
-        sizes = Sizes(20_000, 4_000, 300, 3_000, Drift(users=300, ads=300, lifetime=1_700, id_effect=args.id_effect))
+        drift = Drift(users=300, ads=300, lifetime=1_700, id_effect=args.id_effect)
+        sizes = Sizes(20_000, 4_000, 300, 3_000, drift, (20_000, 2_048, 6))
     else:
         drift = Drift(users=args.users, ads=args.ads, lifetime=args.lifetime, id_effect=args.id_effect)
-        sizes = Sizes(args.events, args.window, args.rows, args.reference_rows or REFERENCE_FACTOR * args.rows, drift)
+        reference = args.reference_rows or REFERENCE_FACTOR * args.rows
+        scale = (args.scale_rows, args.scale_ids, args.scale_steps)
+        sizes = Sizes(args.events, args.window, args.rows, reference, drift, scale)
     if args.tailed_only and not args.one_off:
         raise SystemExit("streamtrain bench idspace: --tailed-only needs a tail: --one-off above 0")
     result: dict[str, Any] = {"benchmark": "idspace", "machine": machine()}
@@ -121,7 +135,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         result.update(bench_idspace(args.config, sizes, args.tables, args.managed, args.seed, progress))
     if args.one_off:
         progress(f"tailed leg: {args.one_off:.0%} of the events' users and of their ads seen once")
-        tailed = replace(sizes, drift=replace(sizes.drift, one_off=args.one_off))
+        # the scale leg reads no stream: it runs with the first legs only
+        tailed = replace(sizes, drift=replace(sizes.drift, one_off=args.one_off), scale=None)
         result["tailed"] = {
             key: value
             for key, value in bench_idspace(args.config, tailed, args.tables, args.managed, args.seed, progress).items()
@@ -214,6 +229,10 @@ def bench_idspace(
         "throughput_ratio": rates["managed"] / rates["hash"],
         "goals": _goals(aucs, rates, stream.distinct, sizes.rows),
     }
+    if sizes.scale is not None:
+        scale_rows, scale_ids, scale_steps = sizes.scale
+        scale_features = leg_config(raw, tables[:1], "managed", scale_rows, managed_section).features
+        result["scale"] = scale_leg(scale_features, scale_ids, scale_steps, seed, progress)
     return result
 
 
@@ -463,4 +482,4 @@ def _stream_table(result: dict) -> str:
         f"  throughput managed / hash {result['throughput_ratio']:.3f}, goal >= {goals['throughput_ratio']}: "
         f"{'met' if goals['throughput_met'] else 'missed'}"
     )
-    return "\n".join(lines)
+    return "\n".join(lines + (scale_lines(result["scale"]) if "scale" in result else []))

@@ -57,6 +57,7 @@ from streamtrain.delivery.spec import (
     read_current,
     read_manifest,
 )
+from streamtrain.idspace import whole_map
 from streamtrain.model import ClickModel, net_logits
 from streamtrain.models.base import ModelInterfaceError, check_logits, table_weights
 from streamtrain.schema import load_schema
@@ -330,9 +331,9 @@ def _id_maps(features: FeaturesConfig, flat: dict[str, Any]) -> dict[str, tuple[
         )
     maps = {}
     for name in managed:
-        state = flat["id_space"][name]
-        rows = state["in_use"].nonzero().squeeze(1)
-        maps[name] = (rows.to(torch.int64).numpy(), state["ids"][rows].to(torch.int64).numpy())
+        ids, in_use = whole_map(flat["id_space"][name])
+        rows = in_use.nonzero().squeeze(1)
+        maps[name] = (rows.to(torch.int64).numpy(), ids[rows].to(torch.int64).numpy())
     return maps
 
 

@@ -649,11 +649,10 @@ class Publisher:
         state = self.model.state_dict()
         rows = local_rows(state, self.plan, self.rank, ids)
         dense = dense_pieces(state, self.plan) if self.rank == 0 else []
-        # Every rank holds the same map: rank 0 alone sends it.
+        # Each rank sends the map of the buckets it owns, beside the rows it holds.
         mapped = []
         if self.id_space is not None:
-            if self.rank == 0:
-                mapped = id_pieces(self.id_space, ids, self.id_space_step)
+            mapped = id_pieces(self.id_space, ids, self.id_space_step)
             self.id_space_step = self.id_space.step
         delta_id = DeltaId(self.model_id, position.chain, position.next_sequence, self.stream.step, high_water, 0)
         self.stream.delivery = DeliveryPosition(position.chain, position.next_sequence + 1)
@@ -687,14 +686,15 @@ class Publisher:
                 self.done.set()
 
     def _gathered(self, cut: _Cut) -> Delta | None:
-        """Rank 0: the whole delta, every rank's rows in it; other ranks: None."""
+        """Rank 0: the whole delta, every rank's rows and id maps in it; other ranks: None."""
         if self.world_size == 1:
             return Delta(cut.id, cut.rows, cut.dense, cut.ids)
         parts: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(cut.rows, parts, dst=0, group=self.send_group)
+        dist.gather_object((cut.rows, cut.ids), parts, dst=0, group=self.send_group)
         if parts is None:
             return None
-        return Delta(cut.id, [piece for rows in parts for piece in rows], cut.dense, cut.ids)
+        rows = [piece for theirs, _ in parts for piece in theirs]
+        return Delta(cut.id, rows, cut.dense, [piece for _, theirs in parts for piece in theirs])
 
     def _deliver(self, delta: Delta, cut_at: float) -> None:
         assert self.target is not None
