@@ -51,9 +51,11 @@ lru and ttl, the event time last seen (int64) for ttl in seconds, a saturating i
 and an open-addressing index (``streamtrain.idindex``: an int16 or int32 slot per 0.7 rows, the key
 read from the ids) in place of a Python dict. lru: 8 + 1 + 4 + 2.9 = 15.9 bytes per row below 2^15
 rows, 18.7 beyond. ``min_count`` adds a uint16 sketch of two hash rows at least twice the rows wide
-(8 to 16 bytes per row, at least 1,024 cells a bucket). Per step, the lookup is one numba loop over
-the step's distinct ids, the rest vectorised numpy, and a victim search over the rows of each bucket
-that needs one (``argpartition``) only when it is full.
+(8 to 16 bytes per row, at least 1,024 cells a bucket). Per step, the step's distinct ids (and the
+sketch cells they count) are found by hashing, in one numba pass, not by sorting: the map's result
+depends on no arrival order, since new ids take rows in the order of their ids. The lookup is one
+numba loop over the distinct ids, the rest vectorised numpy, and a victim search over the rows of
+each bucket that needs one (``argpartition``) only when it is full.
 """
 
 from __future__ import annotations
@@ -67,18 +69,20 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 import torch
 import torch.distributed as dist
+from numba import njit
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from streamtrain.config import EvictionConfig, FeaturesConfig, TableConfig
 from streamtrain.decode import ClickBatch, splitmix64
-from streamtrain.idindex import IdIndex
+from streamtrain.idindex import IdIndex, distinct
 from streamtrain.metrics import IdSpaceMetrics
 
 _INT64_MAX = np.iinfo(np.int64).max
 # Two hash rows for the count sketch of ids waiting for admission, with salts that make them
 # independent; its width is at least twice the table's rows, so waiting ids rarely share a count.
 _SKETCH_SALTS = (np.uint64(0x243F6A8885A308D3), np.uint64(0x13198A2E03707344))
+_SKETCH_SALTS_ARRAY = np.array(_SKETCH_SALTS, dtype=np.uint64)
 _SKETCH_MIN_WIDTH = 1024
 # Sketch cells saturate here (uint16): min_count is at most this (config), and the halving every
 # interval keeps counts of live traffic far below it.
@@ -95,6 +99,82 @@ _MAX_AGE = np.int64(_STEP_MASK)
 _EVICTION_LOG_STEPS = 10_000
 # Salts the hash that picks an id's bucket, so that it is independent of the index's.
 _BUCKET_SALT = np.uint64(0xA4093822299F31D0)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _sketch_cells(ids: np.ndarray, local_buckets: np.ndarray, width: int, salts: np.ndarray) -> np.ndarray:
+    """The sketch cell of each id in each hash row: its salted splitmix64 hash, in its bucket's cells."""
+    cells = np.empty((salts.shape[0], ids.shape[0]), dtype=np.int64)
+    for row in range(salts.shape[0]):
+        for i in range(ids.shape[0]):
+            z = np.uint64(ids[i]) ^ salts[row]
+            z += np.uint64(0x9E3779B97F4A7C15)
+            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+            z = z ^ (z >> np.uint64(31))
+            cells[row, i] = np.int64(z % np.uint64(width)) + local_buckets[i] * width
+    return cells
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _estimate(sketch: np.ndarray, cells: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Each id's count once the step's sightings are added (ids sharing a cell add up): the least of
+    its cells. The sightings are added in place and taken back, newest first, so the sketch ends as
+    it began; a saturated cell still reads at least any min_count."""
+    n = cells.shape[1]
+    estimate = np.full(n, _INT64_MAX, dtype=np.int64)
+    old = np.empty(n, dtype=sketch.dtype)
+    for row in range(cells.shape[0]):
+        counted = sketch[row]
+        for i in range(n):
+            cell = cells[row, i]
+            old[i] = counted[cell]
+            counted[cell] = min(np.int64(counted[cell]) + counts[i], _SKETCH_MAX)
+        for i in range(n):
+            estimate[i] = min(estimate[i], np.int64(counted[cells[row, i]]))
+        for i in range(n - 1, -1, -1):
+            counted[cells[row, i]] = old[i]
+    return estimate
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _add_saturating(
+    sketch: np.ndarray, cells: np.ndarray, added: np.ndarray, totals: np.ndarray, span: int
+) -> np.ndarray:
+    """Add ``added`` to the distinct ``cells`` of ``sketch`` (numbered across its hash rows),
+    saturating, and what each cell's bucket gained to ``totals`` (a bucket spans ``span`` cells of
+    each hash row); the cells' old values."""
+    flat = sketch.reshape(-1)
+    width = sketch.shape[1]
+    old = np.empty(cells.shape[0], dtype=sketch.dtype)
+    for i in range(cells.shape[0]):
+        cell = cells[i]
+        old[i] = flat[cell]
+        new = min(np.int64(old[i]) + added[i], _SKETCH_MAX)
+        flat[cell] = new
+        totals[(cell % width) // span] += new - np.int64(old[i])
+    return old
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _lowest_free(in_use: np.ndarray, starts: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each bucket's lowest free rows, up to as many as it ``wanted``, in bucket order, and how many
+    it found (all its free rows where that is fewer). A bucket's scan stops once it has enough, so
+    the work is in the rows it passes, not the table's."""
+    taken = np.empty(wanted.sum(), dtype=np.int64)
+    found = np.zeros(wanted.shape[0], dtype=np.int64)
+    at = 0
+    for bucket in range(wanted.shape[0]):
+        if wanted[bucket] == 0:
+            continue
+        for row in range(starts[bucket], starts[bucket + 1]):
+            if not in_use[row]:
+                taken[at] = row
+                at += 1
+                found[bucket] += 1
+                if found[bucket] == wanted[bucket]:
+                    break
+    return taken[:at], found
 
 
 def managed_tables(features: FeaturesConfig) -> list[TableConfig]:
@@ -129,8 +209,12 @@ class Undo:
     def write(self, arrays: TableArrays, name: str, rows: np.ndarray) -> np.ndarray:
         """Record the values at ``rows`` of array ``name`` before they are written; the array."""
         array = arrays.flat(name)
-        self.writes.append((name, rows.astype(np.int32), array[rows].copy()))
+        self.record(name, rows, array[rows])
         return array
+
+    def record(self, name: str, rows: np.ndarray, old: np.ndarray) -> None:
+        """Record that ``rows`` (distinct) of array ``name`` held ``old`` (a copy) before a write."""
+        self.writes.append((name, rows.astype(np.int32), old))
 
     def halve(self, arrays: TableArrays, name: str, columns: slice = slice(None)) -> None:
         """Halve array ``name``, or only its ``columns`` (one bucket's sketch cells, in each hash row)."""
@@ -307,17 +391,17 @@ class TableIds:
 
     def decide(self, ids: torch.Tensor, step: int, now_ms: int, counts: torch.Tensor | None = None) -> TableStep:
         """What mapping ``ids`` at ``step`` does, without doing it."""
-        unique_t, inverse, counts_t = torch.unique(ids, sorted=True, return_inverse=True, return_counts=True)
-        if counts is not None:  # ids deduplicated by their senders: several senders may send one id
-            counts_t = torch.zeros_like(counts_t).index_add_(0, inverse, counts)
-        unique, counts = unique_t.numpy(), counts_t.numpy()
+        # ids deduplicated by their senders come with counts: several senders may send one id
+        unique, counts_seen, inverse = distinct(ids.numpy(), None if counts is None else counts.numpy())
         local_buckets = self._local_buckets(unique)
         rows = self.index.find(unique)
         hit = rows >= 0
         seen = rows[hit]
         waiting = np.flatnonzero(~hit)
-        admit, cells = self._admit(unique[waiting], counts[waiting], local_buckets[waiting], step)
+        admit, cells = self._admit(unique[waiting], counts_seen[waiting], local_buckets[waiting], step)
         admitted = waiting[admit]
+        # new ids take rows in the order of their ids, whichever rank's batch brought them first
+        admitted = admitted[np.argsort(unique[admitted])]
         given, victims = self._rows_for(local_buckets[admitted], seen, step)
         admitted, assigned = admitted[given >= 0], given[given >= 0]  # the rest found no row this step: unknown
         rows[admitted] = assigned
@@ -325,20 +409,19 @@ class TableIds:
         rows += self.start
         rows[unknown] = self.unknown_row
         evicted = Evictions(torch.from_numpy(victims + self.start), torch.from_numpy(self.arrays.ids[victims]))
-        rows_t, unknown_t = torch.from_numpy(rows), torch.from_numpy(unknown)
         return TableStep(
             step=step,
             now_ms=now_ms,
-            rows=rows_t[inverse],
-            unknown=unknown_t[inverse],
+            rows=torch.from_numpy(rows[inverse]),
+            unknown=torch.from_numpy(unknown[inverse]),
             seen=seen,
-            seen_counts=counts[hit],
+            seen_counts=counts_seen[hit],
             cells=cells,
-            cell_counts=counts[waiting] if cells.size else _NO_ROWS,
+            cell_counts=counts_seen[waiting] if cells.size else _NO_ROWS,
             evicted=evicted,
             assigned=torch.from_numpy(assigned + self.start),
             new_ids=unique[admitted],
-            new_counts=counts[admitted],
+            new_counts=counts_seen[admitted],
         )
 
     def apply(self, decided: TableStep) -> TableStep:
@@ -375,14 +458,8 @@ class TableIds:
         assert sketch is not None
         width = sketch.shape[1]
         flat_cells = (cells + (np.arange(cells.shape[0]) * width)[:, None]).reshape(-1)
-        shared, where = np.unique(flat_cells, return_inverse=True)
-        added = np.zeros(shared.size, dtype=np.int64)
-        np.add.at(added, where, np.tile(counts, cells.shape[0]))
-        flat = undo.write(self.arrays, "sketch", shared)
-        old = flat[shared].astype(np.int64)
-        new = np.minimum(old + added, _SKETCH_MAX)
-        flat[shared] = new
-        np.add.at(self.sketch_totals, (shared % width) // self.sketch_width, new - old)
+        shared, added, _ = distinct(flat_cells, np.tile(counts, cells.shape[0]))
+        undo.record("sketch", shared, _add_saturating(sketch, shared, added, self.sketch_totals, self.sketch_width))
         # TinyLFU's sample: once a bucket's cells hold a sighting each on average, halve them,
         # however many steps that took. Halving only every interval_steps lets a stream with many ids
         # seen once fill every cell between halvings, and then every new id looks seen before. Each
@@ -411,17 +488,8 @@ class TableIds:
             draw = _uniform(splitmix64(raw ^ splitmix64(np.array([step], dtype=np.uint64))))
             return draw < rule.probability, _NO_CELLS
         assert rule.min_count is not None and self.arrays.sketch is not None
-        sketch = self.arrays.sketch
-        width, first = np.uint64(self.sketch_width), local_buckets * self.sketch_width
-        cells = np.stack([(splitmix64(raw ^ salt) % width).astype(np.int64) + first for salt in _SKETCH_SALTS])
-        estimate = np.full(ids.size, _INT64_MAX, dtype=np.int64)
-        for row, row_cells in enumerate(cells):
-            # the cell's count once this step's sightings are added (ids sharing a cell add up)
-            shared, where = np.unique(row_cells, return_inverse=True)
-            added = np.zeros(shared.size, dtype=np.int64)
-            np.add.at(added, where, counts)
-            estimate = np.minimum(estimate, sketch[row][row_cells].astype(np.int64) + added[where])
-        return estimate >= rule.min_count, cells
+        cells = _sketch_cells(ids, local_buckets, self.sketch_width, _SKETCH_SALTS_ARRAY)
+        return _estimate(self.arrays.sketch, cells, counts) >= rule.min_count, cells
 
     def _rows_for(self, local_buckets: np.ndarray, seen: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
         """A row (in the arrays) for each admitted id, of the id's bucket (``local_buckets``), or -1
@@ -431,35 +499,29 @@ class TableIds:
             return _NO_ROWS, _NO_ROWS
         count = len(self.buckets)
         wanted = np.bincount(local_buckets, minlength=count)
-        free = np.flatnonzero(~self.arrays.in_use) if self.occupied < self.capacity else _NO_ROWS
-        free_firsts = np.searchsorted(free, self.bucket_starts)  # free is ascending: each bucket's run in it
-        free_counts = np.diff(free_firsts)
-        # each bucket's lowest free rows, as many as it wants: work in the rows taken, not the free ones
-        take = np.minimum(free_counts, wanted)
-        offsets = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)
-        taken_free = free[np.repeat(free_firsts[:-1], take) + offsets]
-        taken_buckets = np.repeat(np.arange(count), take)
+        # each bucket's lowest free rows, as many as it wants (all it has, where that is fewer)
+        taken_free, free_counts = _lowest_free(self.arrays.in_use, self.bucket_starts, wanted)
+        taken_buckets = np.repeat(np.arange(count), free_counts)
         sizes = np.diff(self.bucket_starts)
         seen_counts = np.bincount(self._bucket_of_rows(seen), minlength=count)
         short = np.maximum(np.minimum(wanted - free_counts, sizes - free_counts - seen_counts), 0)
         victims = _NO_ROWS
         needy = np.flatnonzero(short)
         if needy.size:
-            # Unique keys (the row breaks ties), so every rank picks the same victims.
-            if self.arrays.counts is not None:
-                rank = self.arrays.counts.astype(np.int64)
-            else:
-                assert self.arrays.last_step is not None
-                rank = _MAX_AGE - (np.uint32(step & _STEP_MASK) - self.arrays.last_step).astype(np.int64)
-            key = rank * max(self.capacity, 1) + np.arange(self.capacity)
-            key[seen] = _INT64_MAX
-            key[free] = _INT64_MAX
+            seen = np.sort(seen)
+            seen_firsts = np.searchsorted(seen, self.bucket_starts)  # each bucket's run in seen
             chosen = []
             for bucket in needy.tolist():
-                first, want = int(self.bucket_starts[bucket]), int(short[bucket])
-                part = key[first : int(self.bucket_starts[bucket + 1])]
-                picked = np.argpartition(part, want - 1)[:want]
-                chosen.append(picked[np.argsort(part[picked])] + first)
+                first, end, want = (
+                    int(self.bucket_starts[bucket]),
+                    int(self.bucket_starts[bucket + 1]),
+                    int(short[bucket]),
+                )
+                key = self._victim_keys(first, end, step)
+                key[~self.arrays.in_use[first:end]] = _INT64_MAX
+                key[seen[seen_firsts[bucket] : seen_firsts[bucket + 1]] - first] = _INT64_MAX
+                picked = np.argpartition(key, want - 1)[:want]
+                chosen.append(picked[np.argsort(key[picked])] + first)
             victims = np.concatenate(chosen)
         # each bucket's rows to give, free then victims, and each admitted id's place in its bucket
         available = np.concatenate((taken_free, victims))
@@ -474,6 +536,16 @@ class TableIds:
         has = nth < available_counts[local_buckets]
         given[has] = available[(np.cumsum(available_counts) - available_counts)[local_buckets[has]] + nth[has]]
         return given, victims
+
+    def _victim_keys(self, first: int, end: int, step: int) -> np.ndarray:
+        """The policy's eviction order of rows ``first`` to ``end``, lowest first: unique keys (the
+        row breaks ties), so every rank picks the same victims."""
+        if self.arrays.counts is not None:
+            rank = self.arrays.counts[first:end].astype(np.int64)
+        else:
+            assert self.arrays.last_step is not None
+            rank = _MAX_AGE - (np.uint32(step & _STEP_MASK) - self.arrays.last_step[first:end]).astype(np.int64)
+        return rank * max(self.capacity, 1) + np.arange(first, end)
 
     def _interval(self, undo: Undo, step: int, now_ms: int) -> Evictions:
         arrays, eviction = self.arrays, self.eviction
@@ -790,12 +862,14 @@ class _Exchange:
         header[:, 0] = newest
         outgoing = []
         for at, (name, values) in enumerate(own.items()):
-            distinct, self.inverse[name], counts = torch.unique(values, return_inverse=True, return_counts=True)
+            unique, counts, inverse = distinct(values.numpy())
+            self.inverse[name] = torch.from_numpy(inverse)
             table = id_space.mapping.tables[name]
-            owners = id_space.owners[name][buckets_of(distinct.numpy(), table.bucket_count)]
-            self.order[name] = torch.from_numpy(np.argsort(owners, kind="stable"))
+            owners = id_space.owners[name][buckets_of(unique, table.bucket_count)]
+            order = np.argsort(owners, kind="stable")
+            self.order[name] = torch.from_numpy(order)
             header[:, 1 + at] = torch.from_numpy(np.bincount(owners, minlength=world))
-            outgoing.append((distinct[self.order[name]], counts[self.order[name]]))
+            outgoing.append((torch.from_numpy(unique[order]), torch.from_numpy(counts[order])))
         self.sent = header[:, 1:]  # [owner, table]
         incoming = torch.empty_like(header)
         dist.all_to_all_single(incoming, header, group=self.group)

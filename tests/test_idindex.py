@@ -1,11 +1,12 @@
-"""The open-addressing id index (streamtrain/idindex.py) against a dict under heavy churn."""
+"""The open-addressing id index (streamtrain/idindex.py) against a dict under heavy churn, and its
+one-pass ``distinct`` against numpy's sort-based unique."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from streamtrain.idindex import MAX_LOAD, IdIndex
+from streamtrain.idindex import MAX_LOAD, IdIndex, distinct
 
 
 @pytest.mark.parametrize("rows", [7, 1_000, 40_000])  # int16 slots below 2^15 rows, int32 beyond
@@ -57,3 +58,20 @@ def test_indexing_an_id_twice_or_dropping_a_row_not_indexed_is_refused():
         index.insert(np.array([1], dtype=np.int64))
     with pytest.raises(AssertionError, match="not in the index"):
         index.delete(np.array([2], dtype=np.int64))
+
+
+@pytest.mark.parametrize("n", [0, 1, 5_000])
+def test_distinct_counts_and_sums_each_value_in_order_of_first_appearance(n):
+    rng = np.random.default_rng(n)
+    # colliding homes, extreme keys and heavy repeats
+    pool = np.concatenate(([np.iinfo(np.int64).min, -1, 0, np.iinfo(np.int64).max], rng.integers(-50, 50, 40)))
+    values = rng.choice(pool, size=n).astype(np.int64)
+    weights = rng.integers(1, 9, size=n).astype(np.int64)
+    unique, counts, inverse = distinct(values)
+    _, firsts = np.unique(values, return_index=True)
+    assert unique.tolist() == values[np.sort(firsts)].tolist()
+    assert (unique[inverse] == values).all()
+    assert counts.tolist() == [int((values == v).sum()) for v in unique]
+    unique_w, sums, inverse_w = distinct(values, weights)
+    assert unique_w.tolist() == unique.tolist() and inverse_w.tolist() == inverse.tolist()
+    assert sums.tolist() == [int(weights[values == v].sum()) for v in unique]
