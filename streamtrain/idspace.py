@@ -760,11 +760,12 @@ class IdSpace:
         if self.world_size == 1:
             steps = self.mapping.update(own, newest)
             rows = {name: step.rows for name, step in steps.items()}
-            fresh = {name: torch.from_numpy(np.sort(step.assigned.numpy())) for name, step in steps.items()}
+            fresh = {name: step.assigned for name, step in steps.items()}
         else:
             exchange = _Exchange(self, own, newest)
             steps = self.mapping.update(exchange.received, exchange.now_ms, exchange.counts)
             rows, fresh = exchange.back(steps)
+        fresh = {name: torch.from_numpy(np.sort(given.numpy())) for name, given in fresh.items()}
         mapped = _Mapped(steps, self.mapping.step, fresh)
         self.in_flight.append(mapped)
         self.to_reset.append(mapped)
@@ -899,7 +900,7 @@ class _Exchange:
 
     def back(self, steps: dict[str, TableStep]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """The rows of this rank's own ids per table, in their order, and every rank's fresh rows
-        per table, ascending."""
+        per table."""
         world, tables = self.world, len(self.names)
         assigned = [steps[name].assigned for name in self.names]
         fresh_counts = torch.tensor([int(a.numel()) for a in assigned], dtype=torch.int64)
@@ -925,7 +926,7 @@ class _Exchange:
             distinct_rows = torch.empty_like(in_order)
             distinct_rows[self.order[name]] = in_order
             rows[name] = distinct_rows[self.inverse[name]]
-            fresh[name] = torch.from_numpy(np.sort(torch.cat([part[tables + at] for part in parts]).numpy()))
+            fresh[name] = torch.cat([part[tables + at] for part in parts])
         return rows, fresh
 
 
