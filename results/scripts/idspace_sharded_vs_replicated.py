@@ -1,7 +1,8 @@
 """Sharded (merge-shard-try) against replicated (main) managed id map, 2 ranks, same drifting topic, ABAB.
 
-TREES names the two checkouts: /work/main held main at 1dac7b8 (the replicated map), /work/wt/h40-shard
-the sharded branch. Reads each rank's last progressive AUC line and its summary (events trained in Xs, events/s)."""
+TREES names the two checkouts: REPLICATED_TREE holds main at 1dac7b8 (the replicated map; `git worktree
+add /work/wt/replicated 1dac7b8`), SHARDED_TREE the sharded map (the merge-shard-try branch at first,
+main since). Reads each rank's last progressive AUC line and its summary (events trained in Xs, events/s)."""
 
 import json
 import os
@@ -15,7 +16,9 @@ from pathlib import Path
 sys.path.insert(0, "/work/main")
 from streamtrain.dev.kafka import KafkaBroker, free_port
 
-TREES = {"replicated": "/work/main", "sharded": "/work/wt/h40-shard", "sharded16": "/work/wt/h40-shard"}
+REPLICATED = os.environ.get("REPLICATED_TREE", "/work/wt/replicated")
+SHARDED = os.environ.get("SHARDED_TREE", "/work/main")
+TREES = {"replicated": REPLICATED, "sharded": SHARDED, "sharded16": SHARDED}
 BUCKETS = {"sharded16": 16}
 PY = "/work/main/.venv/bin/python"
 EVENTS = int(os.environ.get("EVENTS", 450_000))
