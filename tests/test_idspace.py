@@ -101,6 +101,24 @@ def test_bad_managed_tables_are_refused_naming_the_field_and_fix(fields, message
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_managed_table_is_planned_table_wise_beside_the_hash_tables_not_in_a_sharding_of_its_own(world_size):
+    # Denied data_parallel and allowed column_wise, the planner put these 1,021-row tables column_wise
+    # (one shard at 16 columns): a sharding of their own, with its own dists and kernel, a slower step.
+    from streamtrain.train import plan_sharding, topology
+
+    raw = yaml.safe_load((REPO / "deploy" / "worker.yaml").read_text())
+    for spec in raw["features"]["tables"]:
+        if spec["name"] in ("user_id", "adgroup_id"):
+            del spec["num_embeddings"]
+            spec.update(id_mapping="managed", rows=1021)
+    config = parse_config(raw)
+    planned = topology(config, world_size, "cpu", dry_run=True)
+    _model, plan = plan_sharding(config, world_size, "cpu", planner_topology=planned)
+    types = {name: ps.sharding_type for tables in plan.plan.values() for name, ps in tables.items()}
+    assert types["user_id"] == types["adgroup_id"] == types["cate_id"] == "table_wise"
+
+
 def test_the_decoder_hands_managed_tables_the_raw_ids():
     managed = parse_config(managed_raw(), environ={})
     wide = managed_raw(rows={})
