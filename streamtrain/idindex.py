@@ -31,12 +31,32 @@ I64 = npt.NDArray[np.int64]
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _home(key: np.int64, size: int) -> np.int64:
-    z = np.uint64(key) + np.uint64(0x9E3779B97F4A7C15)
+def mix(z: np.uint64) -> np.uint64:
+    """The splitmix64 finaliser of one uint64 (``decode.splitmix64`` over arrays)."""
+    z += np.uint64(0x9E3779B97F4A7C15)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
-    return np.int64(((z >> np.uint64(32)) * np.uint64(size)) >> np.uint64(32))
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _scaled(hashed: np.uint64, size: int) -> np.int64:
+    """A hash's top 32 bits scaled to [0, size) by multiply-shift."""
+    return np.int64(((hashed >> np.uint64(32)) * np.uint64(size)) >> np.uint64(32))
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _home(key: np.int64, size: int) -> np.int64:
+    return _scaled(mix(np.uint64(key)), size)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def salted_homes(keys: I64, salt: np.uint64, size: int) -> I64:
+    """Each key's salted hash scaled to [0, size): a home independent of the index's."""
+    homes = np.empty(keys.shape[0], dtype=np.int64)
+    for i in range(keys.shape[0]):
+        homes[i] = _scaled(mix(np.uint64(keys[i]) ^ salt), size)
+    return homes
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -106,24 +126,25 @@ def _delete(slots: np.ndarray, ids: I64, rows: I64) -> int:
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _distinct(values: I64, weights: I64, unique: I64, sums: I64, inverse: I64) -> int:
+def _distinct(values: I64, weights: I64, weighted: bool, unique: I64, sums: I64, inverse: I64) -> int:
     size = 2 * values.shape[0] + 1  # at most half full: short probes
     table = np.full(size, EMPTY, dtype=np.int64)  # each slot's position in unique
     found = 0
     for i in range(values.shape[0]):
         value = values[i]
+        weight = weights[i] if weighted else 1
         at = _home(value, size)
         while True:
             known = table[at]
             if known == EMPTY:
                 table[at] = found
                 unique[found] = value
-                sums[found] = weights[i]
+                sums[found] = weight
                 inverse[i] = found
                 found += 1
                 break
             if unique[known] == value:
-                sums[known] += weights[i]
+                sums[known] += weight
                 inverse[i] = known
                 break
             at += 1
@@ -132,12 +153,16 @@ def _distinct(values: I64, weights: I64, unique: I64, sums: I64, inverse: I64) -
     return found
 
 
+_UNWEIGHTED = np.zeros(0, np.int64)
+
+
 def distinct(values: I64, weights: I64 | None = None) -> tuple[I64, I64, I64]:
     """The distinct ``values`` in the order they first appear, each one's count (or the sum of its
     ``weights``), and each value's position among them."""
     n = values.shape[0]
     unique, sums, inverse = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
-    found = _distinct(values, np.ones(n, np.int64) if weights is None else weights, unique, sums, inverse)
+    weighted = weights is not None
+    found = _distinct(values, weights if weights is not None else _UNWEIGHTED, weighted, unique, sums, inverse)
     return unique[:found], sums[:found], inverse
 
 

@@ -51,11 +51,12 @@ lru and ttl, the event time last seen (int64) for ttl in seconds, a saturating i
 and an open-addressing index (``streamtrain.idindex``: an int16 or int32 slot per 0.7 rows, the key
 read from the ids) in place of a Python dict. lru: 8 + 1 + 4 + 2.9 = 15.9 bytes per row below 2^15
 rows, 18.7 beyond. ``min_count`` adds a uint16 sketch of two hash rows at least twice the rows wide
-(8 to 16 bytes per row, at least 1,024 cells a bucket). Per step, the step's distinct ids (and the
-sketch cells they count) are found by hashing, in one numba pass, not by sorting: the map's result
-depends on no arrival order, since new ids take rows in the order of their ids. The lookup is one
-numba loop over the distinct ids, the rest vectorised numpy, and a victim search over the rows of
-each bucket that needs one (``argpartition``) only when it is full.
+(8 to 16 bytes per row, at least 1,024 cells a bucket). Per step, the step's distinct ids are found
+by hashing, in one numba pass, not by sorting: the map's result depends on no arrival order, since
+new ids take rows in the order of their ids. The lookup is one numba loop over the distinct ids, the
+waiting ids' sightings one more that counts them and reads their estimates, the rest vectorised
+numpy, and a victim search over the rows of each bucket that needs one (``argpartition``) only when
+it is full.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from streamtrain.config import EvictionConfig, FeaturesConfig, TableConfig
 from streamtrain.decode import ClickBatch, splitmix64
-from streamtrain.idindex import IdIndex, distinct
+from streamtrain.idindex import IdIndex, distinct, mix, salted_homes
 from streamtrain.metrics import IdSpaceMetrics
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -107,53 +108,44 @@ def _sketch_cells(ids: np.ndarray, local_buckets: np.ndarray, width: int, salts:
     cells = np.empty((salts.shape[0], ids.shape[0]), dtype=np.int64)
     for row in range(salts.shape[0]):
         for i in range(ids.shape[0]):
-            z = np.uint64(ids[i]) ^ salts[row]
-            z += np.uint64(0x9E3779B97F4A7C15)
-            z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-            z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-            z = z ^ (z >> np.uint64(31))
-            cells[row, i] = np.int64(z % np.uint64(width)) + local_buckets[i] * width
+            cells[row, i] = np.int64(mix(np.uint64(ids[i]) ^ salts[row]) % np.uint64(width)) + local_buckets[i] * width
     return cells
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _estimate(sketch: np.ndarray, cells: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Each id's count once the step's sightings are added (ids sharing a cell add up): the least of
-    its cells. The sightings are added in place and taken back, newest first, so the sketch ends as
-    it began; a saturated cell still reads at least any min_count."""
-    n = cells.shape[1]
+def _count_sightings(
+    sketch: np.ndarray, cells: np.ndarray, counts: np.ndarray, totals: np.ndarray, span: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Add each id's ``counts`` to its ``cells`` of ``sketch`` (one per hash row), saturating, and
+    what each cell's bucket gained to ``totals`` (a bucket spans ``span`` cells of each hash row).
+    Returns each id's estimate, the least of its cells once every sighting is in (ids sharing a cell
+    add up; a saturated cell still reads at least any min_count), and each write's flat cell and old
+    value, in the order written (a cell two ids share appears twice)."""
+    flat = sketch.reshape(-1)
+    hash_rows, n = cells.shape
+    width = sketch.shape[1]
+    written = np.empty(hash_rows * n, dtype=np.int64)
+    old = np.empty(hash_rows * n, dtype=sketch.dtype)
+    for row in range(hash_rows):
+        for i in range(n):
+            at = row * n + i
+            cell = row * width + cells[row, i]
+            written[at], old[at] = cell, flat[cell]
+            new = min(np.int64(old[at]) + counts[i], _SKETCH_MAX)
+            flat[cell] = new
+            totals[cells[row, i] // span] += new - np.int64(old[at])
     estimate = np.full(n, _INT64_MAX, dtype=np.int64)
-    old = np.empty(n, dtype=sketch.dtype)
-    for row in range(cells.shape[0]):
-        counted = sketch[row]
+    for row in range(hash_rows):
         for i in range(n):
-            cell = cells[row, i]
-            old[i] = counted[cell]
-            counted[cell] = min(np.int64(counted[cell]) + counts[i], _SKETCH_MAX)
-        for i in range(n):
-            estimate[i] = min(estimate[i], np.int64(counted[cells[row, i]]))
-        for i in range(n - 1, -1, -1):
-            counted[cells[row, i]] = old[i]
-    return estimate
+            estimate[i] = min(estimate[i], np.int64(flat[row * width + cells[row, i]]))
+    return estimate, written, old
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _add_saturating(
-    sketch: np.ndarray, cells: np.ndarray, added: np.ndarray, totals: np.ndarray, span: int
-) -> np.ndarray:
-    """Add ``added`` to the distinct ``cells`` of ``sketch`` (numbered across its hash rows),
-    saturating, and what each cell's bucket gained to ``totals`` (a bucket spans ``span`` cells of
-    each hash row); the cells' old values."""
-    flat = sketch.reshape(-1)
-    width = sketch.shape[1]
-    old = np.empty(cells.shape[0], dtype=sketch.dtype)
-    for i in range(cells.shape[0]):
-        cell = cells[i]
-        old[i] = flat[cell]
-        new = min(np.int64(old[i]) + added[i], _SKETCH_MAX)
-        flat[cell] = new
-        totals[(cell % width) // span] += new - np.int64(old[i])
-    return old
+def _put_newest_first(array: np.ndarray, positions: np.ndarray, old: np.ndarray) -> None:
+    """Write ``old`` back at ``positions``, last first: a position written twice ends as it began."""
+    for i in range(positions.shape[0] - 1, -1, -1):
+        array[positions[i]] = old[i]
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -213,7 +205,8 @@ class Undo:
         return array
 
     def record(self, name: str, rows: np.ndarray, old: np.ndarray) -> None:
-        """Record that ``rows`` (distinct) of array ``name`` held ``old`` (a copy) before a write."""
+        """Record that ``rows`` of array ``name`` held ``old`` (a copy) before a write; a row may
+        appear more than once, with the value it held before each write."""
         self.writes.append((name, rows.astype(np.int32), old))
 
     def halve(self, arrays: TableArrays, name: str, columns: slice = slice(None)) -> None:
@@ -229,7 +222,7 @@ class Undo:
                 part <<= 1
                 part |= np.unpackbits(old, count=part.size).reshape(part.shape).astype(part.dtype)
             else:
-                arrays.flat(name)[rows] = old
+                _put_newest_first(arrays.flat(name), rows, old)
 
     @property
     def nbytes(self) -> int:
@@ -246,7 +239,7 @@ def _columns(arrays: TableArrays, name: str, columns: slice) -> np.ndarray:
 @dataclass(frozen=True)
 class TableStep:
     """What one step does to one table: decided once (``TableIds.decide``), then applied
-    (``TableIds.apply``), which records how to take it back (``undo``)."""
+    (``TableIds.apply``); ``undo`` records how to take it back."""
 
     step: int
     now_ms: int  # the step's newest event time
@@ -254,14 +247,12 @@ class TableStep:
     unknown: torch.Tensor  # bool per id given: it reads the unknown row
     seen: np.ndarray  # rows of live ids seen this step, and how often
     seen_counts: np.ndarray
-    cells: np.ndarray  # [salts, n]: admission sketch cells of the ids counted, and their counts
-    cell_counts: np.ndarray
     evicted: Evictions  # ids evicted for lack of room
     assigned: torch.Tensor  # rows given to new ids, which start fresh; the ids, and how often seen
     new_ids: np.ndarray
     new_counts: np.ndarray
     expired: Evictions = field(default_factory=Evictions.none)  # ids evicted by ttl, known once applied
-    undo: Undo = field(default_factory=Undo)  # known once applied
+    undo: Undo = field(default_factory=Undo)  # complete once applied
 
 
 def _uniform(hashed: np.ndarray) -> np.ndarray:
@@ -321,8 +312,7 @@ def buckets_of(ids: np.ndarray, buckets: int) -> np.ndarray:
     the index's hash (which would otherwise crowd a rank's ids into a band of its slots)."""
     if buckets == 1:
         return np.zeros(ids.size, dtype=np.int64)
-    hashed = splitmix64(ids.view(np.uint64) ^ _BUCKET_SALT) >> np.uint64(32)
-    return ((hashed * np.uint64(buckets)) >> np.uint64(32)).astype(np.int64)
+    return salted_homes(ids, _BUCKET_SALT, buckets)
 
 
 def bucket_key(bucket: int) -> str:
@@ -390,7 +380,8 @@ class TableIds:
         return self.apply(self.decide(ids, step, now_ms, counts))
 
     def decide(self, ids: torch.Tensor, step: int, now_ms: int, counts: torch.Tensor | None = None) -> TableStep:
-        """What mapping ``ids`` at ``step`` does, without doing it."""
+        """What mapping ``ids`` at ``step`` does. Of it, only the admission sketch's count of the
+        waiting ids is done (recorded in the step's undo): the admission reads it."""
         # ids deduplicated by their senders come with counts: several senders may send one id
         unique, counts_seen, inverse = distinct(ids.numpy(), None if counts is None else counts.numpy())
         local_buckets = self._local_buckets(unique)
@@ -398,7 +389,8 @@ class TableIds:
         hit = rows >= 0
         seen = rows[hit]
         waiting = np.flatnonzero(~hit)
-        admit, cells = self._admit(unique[waiting], counts_seen[waiting], local_buckets[waiting], step)
+        undo = Undo()
+        admit = self._admit(undo, unique[waiting], counts_seen[waiting], local_buckets[waiting], step)
         admitted = waiting[admit]
         # new ids take rows in the order of their ids, whichever rank's batch brought them first
         admitted = admitted[np.argsort(unique[admitted])]
@@ -416,23 +408,20 @@ class TableIds:
             unknown=torch.from_numpy(unknown[inverse]),
             seen=seen,
             seen_counts=counts_seen[hit],
-            cells=cells,
-            cell_counts=counts_seen[waiting] if cells.size else _NO_ROWS,
             evicted=evicted,
             assigned=torch.from_numpy(assigned + self.start),
             new_ids=unique[admitted],
             new_counts=counts_seen[admitted],
+            undo=undo,
         )
 
     def apply(self, decided: TableStep) -> TableStep:
-        """Do what ``decide`` decided; ``decided`` with the ids ttl expired and the step's undo."""
-        arrays, undo = self.arrays, Undo()
+        """Do what ``decide`` decided; ``decided`` with the ids ttl expired."""
+        arrays, undo = self.arrays, decided.undo
         step, now_ms, seen = decided.step, decided.now_ms, decided.seen
         self._touch(undo, seen, step, now_ms)
         if arrays.counts is not None:
             undo.write(arrays, "counts", seen)[seen] = np.minimum(arrays.counts[seen] + decided.seen_counts, _COUNT_MAX)
-        if decided.cells.size:
-            self._count_waiting(undo, decided.cells, decided.cell_counts)
         evicted = decided.evicted.rows.numpy() - self.start
         self.index.delete(evicted)  # while the rows still hold the evicted ids
         assigned = decided.assigned.numpy() - self.start
@@ -444,7 +433,7 @@ class TableIds:
         self.index.insert(assigned)
         self.occupied += int(assigned.size) - int(evicted.size)
         expired = self._interval(undo, step, now_ms) if step % self.eviction.interval_steps == 0 else Evictions.none()
-        return replace(decided, expired=expired, undo=undo)
+        return replace(decided, expired=expired)
 
     def _touch(self, undo: Undo, rows: np.ndarray, step: int, now_ms: int) -> None:
         """Rows seen at ``step``, whose newest event is at ``now_ms``."""
@@ -453,13 +442,12 @@ class TableIds:
         if self.arrays.last_time_ms is not None:
             undo.write(self.arrays, "last_time_ms", rows)[rows] = now_ms
 
-    def _count_waiting(self, undo: Undo, cells: np.ndarray, counts: np.ndarray) -> None:
+    def _count_waiting(self, undo: Undo, cells: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Count the sightings of waiting ids in their ``cells``; each one's estimate."""
         sketch = self.arrays.sketch
         assert sketch is not None
-        width = sketch.shape[1]
-        flat_cells = (cells + (np.arange(cells.shape[0]) * width)[:, None]).reshape(-1)
-        shared, added, _ = distinct(flat_cells, np.tile(counts, cells.shape[0]))
-        undo.record("sketch", shared, _add_saturating(sketch, shared, added, self.sketch_totals, self.sketch_width))
+        estimate, written, old = _count_sightings(sketch, cells, counts, self.sketch_totals, self.sketch_width)
+        undo.record("sketch", written, old)
         # TinyLFU's sample: once a bucket's cells hold a sighting each on average, halve them,
         # however many steps that took. Halving only every interval_steps lets a stream with many ids
         # seen once fill every cell between halvings, and then every new id looks seen before. Each
@@ -468,6 +456,7 @@ class TableIds:
             columns = slice(bucket * self.sketch_width, (bucket + 1) * self.sketch_width)
             undo.halve(self.arrays, "sketch", columns)
             self.sketch_totals[bucket] = int(sketch[:, columns].sum(dtype=np.int64))
+        return estimate
 
     def _recount_sketch(self) -> None:
         sketch = self.arrays.sketch
@@ -476,20 +465,20 @@ class TableIds:
         self.sketch_totals = per_bucket.sum(axis=(0, 2), dtype=np.int64)
 
     def _admit(
-        self, ids: np.ndarray, counts: np.ndarray, local_buckets: np.ndarray, step: int
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self, undo: Undo, ids: np.ndarray, counts: np.ndarray, local_buckets: np.ndarray, step: int
+    ) -> np.ndarray:
         """Which of ``ids`` (without rows, seen ``counts`` times, in ``local_buckets``) are
-        admitted, and for min_count the sketch cells that count them (each bucket has its own)."""
+        admitted; for min_count, their sightings are counted first (each bucket has its own cells)."""
         rule = self.admission
         if rule is None or ids.size == 0:
-            return np.ones(ids.size, dtype=np.bool_), _NO_CELLS
+            return np.ones(ids.size, dtype=np.bool_)
         raw = ids.view(np.uint64)
         if rule.probability is not None:
             draw = _uniform(splitmix64(raw ^ splitmix64(np.array([step], dtype=np.uint64))))
-            return draw < rule.probability, _NO_CELLS
-        assert rule.min_count is not None and self.arrays.sketch is not None
+            return draw < rule.probability
+        assert rule.min_count is not None
         cells = _sketch_cells(ids, local_buckets, self.sketch_width, _SKETCH_SALTS_ARRAY)
-        return _estimate(self.arrays.sketch, cells, counts) >= rule.min_count, cells
+        return self._count_waiting(undo, cells, counts) >= rule.min_count
 
     def _rows_for(self, local_buckets: np.ndarray, seen: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
         """A row (in the arrays) for each admitted id, of the id's bucket (``local_buckets``), or -1

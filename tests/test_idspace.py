@@ -279,6 +279,19 @@ def test_the_map_at_the_cut_undoes_the_steps_in_flight_across_halvings_and_expir
     assert_same_state(ahead.state_dict(in_flight), behind.state_dict())
 
 
+def test_the_cut_restores_sketch_cells_that_several_waiting_ids_of_a_step_share():
+    """A step of more new ids than its bucket's sketch has cells per hash row counts several ids in
+    one cell (pigeonhole); taking it back leaves each cell as it was before the step."""
+    tables = [table(id_mapping="managed", rows=30, admission={"min_count": 3})]
+    ahead, behind = IdMapping(tables), IdMapping(tables)
+    earlier = [torch.arange(100) % 40, torch.arange(100) % 70]
+    for at, values in enumerate(earlier, 1):
+        ahead.update({"t": values}, now_ms=at)
+        behind.update({"t": values}, now_ms=at)
+    crowded = ahead.update({"t": torch.arange(1_000, 1_000 + 3 * ahead.tables["t"].sketch_width)}, now_ms=3)
+    assert_same_state(ahead.state_dict([crowded]), behind.state_dict())
+
+
 def test_the_cut_tells_deltas_each_rows_raw_id_and_what_was_evicted_since_a_step():
     config = parse_config(managed_raw(rows={"user_id": 40}), environ={})
     decoder = AvroBatchDecoder(config.features)
