@@ -23,6 +23,8 @@ BUCKETS = {"sharded16": 16}
 PY = "/work/main/.venv/bin/python"
 EVENTS = int(os.environ.get("EVENTS", 450_000))
 ORDER = os.environ.get("ORDER", "replicated sharded sharded replicated").split()
+# e.g. "table_wise": both maps' tables planned alike (1dac7b8's default let the planner pick column_wise)
+SHARDING_TYPES = os.environ.get("SHARDING_TYPES", "").split()
 
 
 def config(name: str, tree: str, out: Path) -> Path:
@@ -35,6 +37,8 @@ def config(name: str, tree: str, out: Path) -> Path:
             t.update(id_mapping="managed", rows=1501)
             if name in BUCKETS:
                 t["buckets"] = BUCKETS[name]
+            if SHARDING_TYPES:
+                t["sharding_types"] = SHARDING_TYPES
     raw.pop("checkpoint", None)
     raw.pop("delivery", None)
     raw["metrics"]["log_interval_seconds"] = 2
