@@ -62,11 +62,9 @@ it is full.
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -102,8 +100,6 @@ _MAX_AGE = np.int64(_STEP_MASK)
 _EVICTION_LOG_STEPS = 10_000
 # Salts the hash that picks an id's bucket, so that it is independent of the index's.
 _BUCKET_SALT = np.uint64(0xA4093822299F31D0)
-# Batches ``IdSpace.ahead`` takes ahead of those it hands on: one is mapped while the trainer runs.
-MAPPED_AHEAD = 1
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -679,24 +675,21 @@ class IdMapping:
                 table.load_state_dict(state[name])  # type: ignore[arg-type]
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Mapped:
     """A batch mapped ahead of training: what its step did to each table (with its undo, which the
     cut needs until the batch has trained), and the rows to reset before its forward pass."""
 
     steps: dict[str, TableStep]  # of this rank's buckets
     step: int
-    # rows given to new ids in every rank's buckets, ascending: known once the rows are back
-    fresh: dict[str, torch.Tensor] = field(default_factory=dict)
+    fresh: dict[str, torch.Tensor]  # rows given to new ids in every rank's buckets, ascending
 
 
 class IdSpace:
     """The managed tables' id space on one rank: maps each step's batch (``translate``), resets
     the rows it gave away before that batch trains (``before_forward``), and gives the map at the
     cut (the map less the steps of the batches still in flight) to snapshots and deltas. Every rank
-    calls each method at the same step. ``ahead`` maps on a thread of its own, beside the training
-    thread that resets, trains and reads the cut: a lock keeps the map and its steps in flight in
-    step with each other, and is never held across a collective."""
+    calls each method at the same step."""
 
     def __init__(
         self,
@@ -719,7 +712,6 @@ class IdSpace:
             t.name: np.repeat(ranks, [len(owned_buckets(t, r, world_size)) for r in range(world_size)])
             for t in self.tables
         }
-        self.lock = threading.RLock()  # over the map and in_flight, which the cut reads together
         self.in_flight: deque[_Mapped] = deque()  # mapped, not yet trained: the cut undoes them
         self.to_reset: deque[_Mapped] = deque()  # mapped, forward pass not yet started
         self.resetter: RowResetter | None = None
@@ -731,22 +723,6 @@ class IdSpace:
                 metrics.rows.labels(name).set(table.capacity)
 
     # --- the stage -------------------------------------------------------------------------
-    def ahead(self, batches: Iterator[ClickBatch]) -> Iterator[ClickBatch]:
-        """``batches`` translated, each mapped on a thread of its own while the caller trains the
-        batches before it: the exchange's waits and the map's work overlap training instead of
-        holding up the training thread. Batches are taken from ``batches`` on the caller's thread,
-        one ahead of those handed on (``MAPPED_AHEAD``); the cut leaves out the one mapped ahead,
-        like any batch in flight, until it has trained."""
-        with ThreadPoolExecutor(1, thread_name_prefix="streamtrain-idspace") as mapper:
-            mapping: Future[ClickBatch] | None = None
-            for batch in batches:
-                upcoming = mapper.submit(self.translate, batch)
-                if mapping is not None:
-                    yield mapping.result()
-                mapping = upcoming
-            if mapping is not None:
-                yield mapping.result()
-
     def translate(self, batch: ClickBatch) -> ClickBatch:
         """``batch`` with its managed tables' raw ids replaced by rows: each id is sent to the rank
         that owns its bucket, mapped there, and its row sent back."""
@@ -771,29 +747,20 @@ class IdSpace:
         """Map one step: ``own``, this rank's raw ids per managed table, whose newest event is at
         ``newest``; their rows, in order. The step joins those in flight."""
         if self.world_size == 1:
-            mapped = self._update(own, newest)
-            rows = {name: step.rows for name, step in mapped.steps.items()}
-            fresh = {name: step.assigned for name, step in mapped.steps.items()}
+            steps = self.mapping.update(own, newest)
+            rows = {name: step.rows for name, step in steps.items()}
+            fresh = {name: step.assigned for name, step in steps.items()}
         else:
             exchange = _Exchange(self, own, newest)
-            mapped = self._update(exchange.received, exchange.now_ms, exchange.counts)
-            rows, fresh = exchange.back(mapped.steps)
-        mapped.fresh = {name: torch.from_numpy(np.sort(given.numpy())) for name, given in fresh.items()}
+            steps = self.mapping.update(exchange.received, exchange.now_ms, exchange.counts)
+            rows, fresh = exchange.back(steps)
+        fresh = {name: torch.from_numpy(np.sort(given.numpy())) for name, given in fresh.items()}
+        mapped = _Mapped(steps, self.mapping.step, fresh)
+        self.in_flight.append(mapped)
         self.to_reset.append(mapped)
-        with self.lock:
-            for name, step in mapped.steps.items():
-                self._count(name, step, rows[name])
+        for name, step in steps.items():
+            self._count(name, step, rows[name])
         return rows
-
-    def _update(
-        self, ids: dict[str, torch.Tensor], now_ms: int, counts: dict[str, torch.Tensor] | None = None
-    ) -> _Mapped:
-        """The map's update and its place in flight, together: the cut never sees one without the other."""
-        with self.lock:
-            steps = self.mapping.update(ids, now_ms, counts)
-            mapped = _Mapped(steps, self.mapping.step)
-            self.in_flight.append(mapped)
-            return mapped
 
     def before_forward(self) -> None:
         """The next batch's forward pass starts: re-initialise the rows its step gave away."""
@@ -804,8 +771,7 @@ class IdSpace:
 
     def trained(self) -> None:
         """The oldest batch in flight has trained: its step joins the cut."""
-        with self.lock:
-            mapped = self.in_flight.popleft()
+        mapped = self.in_flight.popleft()
         for name, step in mapped.steps.items():
             log_ = self.eviction_log[name]
             for evictions in (step.evicted, step.expired):
@@ -833,22 +799,19 @@ class IdSpace:
     def memory_bytes(self) -> int:
         """What the maps take in memory on this rank, every managed table's: their arrays and index
         (made at full size), and the undo of the steps in flight."""
-        with self.lock:
-            return sum(self._table_bytes(t.name) for t in self.tables)
+        return sum(self._table_bytes(t.name) for t in self.tables)
 
     # --- the cut: snapshots and deltas --------------------------------------------------------
     def state_dict(self) -> dict[str, object]:
         """The map at the cut: the trained batches' (the steps of the batches in flight undone on a
         copy of the arrays; the map itself stays ahead)."""
-        with self.lock:
-            return self.mapping.state_dict([m.steps for m in self.in_flight])
+        return self.mapping.state_dict([m.steps for m in self.in_flight])
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Take a snapshot's map; call before any batch is mapped."""
         if self.in_flight:
             raise RuntimeError("a snapshot's id map can only be loaded before training starts")
-        with self.lock:
-            self.mapping.load_state_dict(state)
+        self.mapping.load_state_dict(state)
         for log_ in self.eviction_log.values():
             log_.clear()
         self.eviction_log_from = self.mapping.step
@@ -856,8 +819,7 @@ class IdSpace:
     def raw_ids(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
         """At the cut: the rows of ``table`` that hold live ids, ascending, and those raw ids."""
         ids = self.mapping.tables[table]
-        with self.lock:
-            return ids.live(ids.at([m.steps[table] for m in self.in_flight]) if self.in_flight else None)
+        return ids.live(ids.at([m.steps[table] for m in self.in_flight]) if self.in_flight else None)
 
     def evicted_since(self, table: str, step: int) -> Evictions | None:
         """Ids of ``table`` evicted after id-space step ``step`` up to the cut, oldest first (an id
@@ -873,8 +835,7 @@ class IdSpace:
     @property
     def step(self) -> int:
         """The id-space step of the cut: how many steps the trained batches took."""
-        with self.lock:
-            return self.mapping.step - len(self.in_flight)
+        return self.mapping.step - len(self.in_flight)
 
 
 class _Exchange:

@@ -49,8 +49,7 @@ from streamtrain.device import (
     host_memory_bytes,
     summing_over_ranks,
 )
-from streamtrain.idspace import MAPPED_AHEAD, IdSpace, RowResetter, managed_tables
-from streamtrain.lockstep import PIPELINE_LOOKAHEAD
+from streamtrain.idspace import IdSpace, RowResetter, managed_tables
 from streamtrain.metrics import IdSpaceMetrics
 from streamtrain.model import ClickModel
 from streamtrain.models.base import table_weights
@@ -448,17 +447,14 @@ class Trainer:
             enqueue_batch_after_forward=True,
         )
         self.step = 0
-        # Managed tables get rows from the id space one batch ahead of the pipeline, on a thread of
-        # its own; the rows a batch's step gave away start fresh just before its forward pass.
+        # Managed tables get rows from the id space just before the pipeline takes each batch;
+        # the rows a batch's step gave away start fresh just before that batch's forward pass.
         self.id_space: IdSpace | None = None
-        # how many batches the trainer takes ahead of the one it trains
-        self.lookahead = PIPELINE_LOOKAHEAD
         if managed_tables(config.features):
             group = gloo_group(env.world_size, config.distributed.timeout_seconds)
             id_space = self.id_space = IdSpace(config.features, env.world_size, group, id_space_metrics)
             id_space.resetter = RowResetter(self.model, managed_tables(config.features), config.model.seed)
             self.model.module.register_forward_pre_hook(lambda _module, _args: id_space.before_forward())
-            self.lookahead += MAPPED_AHEAD
 
     def train(self, batches: Iterable[ClickBatch]) -> Iterator[StepResult]:
         """Train every batch ``batches`` yields, in order; one result per trained batch."""
@@ -470,13 +466,15 @@ class Trainer:
 
         def feed() -> Iterator[ClickBatch]:
             nonlocal waited
-            upstream = iter(batches) if self.id_space is None else self.id_space.ahead(iter(batches))
+            upstream = iter(batches)
             while True:
                 asked = time.perf_counter()
                 batch = next(upstream, None)
                 waited += time.perf_counter() - asked
                 if batch is None:
                     return
+                if self.id_space is not None:
+                    batch = self.id_space.translate(batch)
                 taken.append(batch)
                 yield batch
 

@@ -455,29 +455,6 @@ def test_ranks_map_every_id_to_one_row_alone_and_evicted_rows_start_fresh(
         assert sum(c["state_was_set"] for c in checked) > 50, checked
 
 
-def test_a_trainer_with_managed_tables_trains_every_batch_once_its_lookahead_of_empty_batches_follows():
-    """The id space maps one batch ahead of the pipeline, so a paused stream needs one empty step
-    more than the pipeline alone to train the real batches it holds (``Trainer.lookahead``, which
-    the lockstep's flush counts)."""
-    config = parse_config(managed_raw(), environ={})
-    trainer = Trainer(config, init_distributed())
-    assert trainer.id_space is not None and trainer.lookahead == 3
-    decoder = AvroBatchDecoder(config.features)
-    real = rank_batches(decoder, 0, 1, global_batches(3))
-    results: list = []
-    trained_when_the_stream_paused: list[int] = []
-
-    def paused_stream():
-        yield from real
-        yield from [decoder.decode([]).batch.in_global_step(0, 1)] * trainer.lookahead
-        trained_when_the_stream_paused.append(len(results))
-
-    for result in trainer.train(paused_stream()):
-        results.append(result)
-    assert trained_when_the_stream_paused == [len(real)]
-    assert [r.batch.size for r in results[: len(real)]] == [b.size for b in real]
-
-
 def merged(states: list[dict]) -> dict:
     """The whole map from each rank's: the buckets of every rank, side by side."""
     whole: dict = {"step": states[0]["step"]}

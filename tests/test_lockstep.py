@@ -85,13 +85,7 @@ class FakeQueue:
         return sizes
 
 
-def run(
-    script: list[ClickBatch | None],
-    *,
-    questions=None,
-    finish: bool = False,
-    lookahead: int = lockstep.PIPELINE_LOOKAHEAD,
-) -> tuple[list[ClickBatch], Lockstep]:
+def run(script: list[ClickBatch | None], *, questions=None, finish: bool = False) -> tuple[list[ClickBatch], Lockstep]:
     clock = FakeClock()
     steps = Lockstep(
         FakeQueue(script, clock, finish),
@@ -101,7 +95,6 @@ def run(
         flush_after_seconds=FLUSH_AFTER,
         questions=questions,
         clock=clock,
-        lookahead=lookahead,
     )
     return list(steps), steps
 
@@ -115,13 +108,11 @@ def test_a_held_batch_is_stepped_as_a_new_batch_that_knows_its_global_size():
     assert stepped.spans == decoded.spans
 
 
-@pytest.mark.parametrize("lookahead", [2, 3])
-def test_a_quiet_stream_is_flushed_by_as_many_empty_steps_as_the_trainer_holds_ahead_then_idles(lookahead):
-    # The pipeline trains batch i once it holds batch i+2 (i+3 with the id space mapping ahead):
-    # that many empty steps release the real batch.
+def test_a_quiet_stream_is_flushed_by_two_empty_steps_after_the_wait_then_idles():
+    # The pipeline trains batch i once it holds batch i+2: two empty steps release the real batch.
     idle = [None] * 20
-    stepped, _steps = run([click_batch(3), *idle], lookahead=lookahead)
-    assert [b.size for b in stepped] == [3] + [0] * lookahead
+    stepped, _steps = run([click_batch(3), *idle])
+    assert [b.size for b in stepped] == [3, 0, 0]
     assert all(b.global_batch_size == 0 and float(b.loss_scale) == 1.0 for b in stepped[1:])
 
 
