@@ -245,6 +245,7 @@ class TableStep:
     now_ms: int  # the step's newest event time
     rows: torch.Tensor  # the row of each id given, in order (the unknown row for ids without one)
     unknown: torch.Tensor  # bool per id given: it reads the unknown row
+    fresh: torch.Tensor  # bool per id given: its row was given to it this step
     seen: np.ndarray  # rows of live ids seen this step, and how often
     seen_counts: np.ndarray
     evicted: Evictions  # ids evicted for lack of room
@@ -262,6 +263,7 @@ def _uniform(hashed: np.ndarray) -> np.ndarray:
 
 _NO_CELLS = np.zeros((0, 0), dtype=np.int64)
 _NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_ID_TENSOR = torch.zeros(0, dtype=torch.int64)
 
 
 @dataclass
@@ -398,6 +400,8 @@ class TableIds:
         admitted, assigned = admitted[given >= 0], given[given >= 0]  # the rest found no row this step: unknown
         rows[admitted] = assigned
         unknown = rows < 0
+        fresh = np.zeros(unique.size, dtype=np.bool_)
+        fresh[admitted] = True
         rows += self.start
         rows[unknown] = self.unknown_row
         evicted = Evictions(torch.from_numpy(victims + self.start), torch.from_numpy(self.arrays.ids[victims]))
@@ -406,6 +410,7 @@ class TableIds:
             now_ms=now_ms,
             rows=torch.from_numpy(rows[inverse]),
             unknown=torch.from_numpy(unknown[inverse]),
+            fresh=torch.from_numpy(fresh[inverse]),
             seen=seen,
             seen_counts=counts_seen[hit],
             evicted=evicted,
@@ -675,14 +680,15 @@ class IdMapping:
                 table.load_state_dict(state[name])  # type: ignore[arg-type]
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Mapped:
     """A batch mapped ahead of training: what its step did to each table (with its undo, which the
     cut needs until the batch has trained), and the rows to reset before its forward pass."""
 
     steps: dict[str, TableStep]  # of this rank's buckets
     step: int
-    fresh: dict[str, torch.Tensor]  # rows given to new ids in every rank's buckets, ascending
+    # rows given to new ids in every rank's buckets, ascending; None until gathered from the ranks
+    fresh: dict[str, torch.Tensor] | None = None
 
 
 class IdSpace:
@@ -714,6 +720,10 @@ class IdSpace:
         }
         self.in_flight: deque[_Mapped] = deque()  # mapped, not yet trained: the cut undoes them
         self.to_reset: deque[_Mapped] = deque()  # mapped, forward pass not yet started
+        # The newest step (``awaiting_fresh``) whose fresh rows are not yet gathered, and those of
+        # them this rank's own ids took (``unsent_fresh``), which the next exchange carries.
+        self.awaiting_fresh: _Mapped | None = None
+        self.unsent_fresh = self._no_rows()
         self.resetter: RowResetter | None = None
         self.eviction_log: dict[str, deque[tuple[int, Evictions]]] = {t.name: deque() for t in self.tables}
         # The id-space step after which the log holds every eviction: a restore starts it afresh.
@@ -749,13 +759,13 @@ class IdSpace:
         if self.world_size == 1:
             steps = self.mapping.update(own, newest)
             rows = {name: step.rows for name, step in steps.items()}
-            fresh = {name: step.assigned for name, step in steps.items()}
+            mapped = _Mapped(steps, self.mapping.step, {n: torch.sort(s.assigned).values for n, s in steps.items()})
         else:
-            exchange = _Exchange(self, own, newest)
+            exchange = _Exchange(self, own, newest, self.unsent_fresh)
+            self._gathered(exchange.fresh)
             steps = self.mapping.update(exchange.received, exchange.now_ms, exchange.counts)
-            rows, fresh = exchange.back(steps)
-        fresh = {name: torch.from_numpy(np.sort(given.numpy())) for name, given in fresh.items()}
-        mapped = _Mapped(steps, self.mapping.step, fresh)
+            rows, self.unsent_fresh = exchange.back(steps)
+            mapped = self.awaiting_fresh = _Mapped(steps, self.mapping.step)
         self.in_flight.append(mapped)
         self.to_reset.append(mapped)
         for name, step in steps.items():
@@ -765,9 +775,25 @@ class IdSpace:
     def before_forward(self) -> None:
         """The next batch's forward pass starts: re-initialise the rows its step gave away."""
         mapped = self.to_reset.popleft()
-        if self.resetter is not None:
-            for name, rows in mapped.fresh.items():
-                self.resetter.reset(name, rows, mapped.step)
+        if self.resetter is None:
+            return
+        if mapped.fresh is None:  # no step has been mapped since (the stream's last batch): gather now
+            assert mapped is self.awaiting_fresh
+            no_ids = {t.name: _NO_ID_TENSOR for t in self.tables}
+            self._gathered(_Exchange(self, no_ids, 0, self.unsent_fresh).fresh)
+            self.unsent_fresh = self._no_rows()
+        assert mapped.fresh is not None
+        for name, rows in mapped.fresh.items():
+            self.resetter.reset(name, rows, mapped.step)
+
+    def _gathered(self, fresh: dict[str, np.ndarray]) -> None:
+        """Every rank's fresh rows of the step awaiting them (each rank's own, those its ids took)."""
+        if self.awaiting_fresh is not None:
+            self.awaiting_fresh.fresh = {name: torch.from_numpy(np.unique(rows)) for name, rows in fresh.items()}
+            self.awaiting_fresh = None
+
+    def _no_rows(self) -> dict[str, np.ndarray]:
+        return {t.name: _NO_ROWS for t in self.tables}
 
     def trained(self) -> None:
         """The oldest batch in flight has trained: its step joins the cut."""
@@ -839,83 +865,95 @@ class IdSpace:
 
 
 class _Exchange:
-    """One step's ids sent to the ranks that own their buckets, and their rows sent back, over
-    two all-to-alls (sizes, then ids) on the way out and two collectives (sizes, then rows with
-    every rank's fresh rows) on the way back. A rank sends each distinct id once, with how often
-    its events hold it, so a popular id costs its owner no more than a rare one."""
+    """One step's ids sent to the ranks that own their buckets, and their rows sent back: an
+    all-to-all of sizes and one of ids on the way out, one of rows on the way back. A rank sends
+    each distinct id once, with how often its events hold it, so a popular id costs its owner no
+    more than a rare one.
 
-    def __init__(self, id_space: IdSpace, own: dict[str, torch.Tensor], newest: int):
+    A row given to a new id comes back flagged (as ``~row``), so each rank learns the fresh rows
+    its own ids took. Every rank must reset the rows its shards hold, whichever rank's ids took
+    them: the next step's exchange carries each rank's to every rank (``fresh``), ahead of the
+    forward pass that needs them, so the fresh rows cost no collective of their own."""
+
+    def __init__(self, id_space: IdSpace, own: dict[str, torch.Tensor], newest: int, fresh: dict[str, np.ndarray]):
+        """``fresh``: the previous step's fresh rows among this rank's ids, per table."""
         self.group, world, self.names = id_space.group, id_space.world_size, list(own)
-        self.world = world
-        self.order: dict[str, torch.Tensor] = {}  # per table: distinct ids by owner, as positions
-        self.inverse: dict[str, torch.Tensor] = {}  # per table: each own id's distinct id
-        header = torch.zeros(world, 1 + len(own), dtype=torch.int64)  # per owner: newest, ids per table
+        self.world, tables = world, len(own)
+        self.order: dict[str, np.ndarray] = {}  # per table: distinct ids by owner, as positions
+        self.inverse: dict[str, np.ndarray] = {}  # per table: each own id's distinct id
+        # per owner: newest, the ids per table, then the fresh rows per table (the same to each owner)
+        header = np.empty((world, 1 + 2 * tables), dtype=np.int64)
         header[:, 0] = newest
         outgoing = []
         for at, (name, values) in enumerate(own.items()):
             unique, counts, inverse = distinct(values.numpy())
-            self.inverse[name] = torch.from_numpy(inverse)
-            table = id_space.mapping.tables[name]
-            owners = id_space.owners[name][buckets_of(unique, table.bucket_count)]
+            owners = id_space.owners[name][buckets_of(unique, id_space.mapping.tables[name].bucket_count)]
             order = np.argsort(owners, kind="stable")
-            self.order[name] = torch.from_numpy(order)
-            header[:, 1 + at] = torch.from_numpy(np.bincount(owners, minlength=world))
-            outgoing.append((torch.from_numpy(unique[order]), torch.from_numpy(counts[order])))
-        self.sent = header[:, 1:]  # [owner, table]
-        incoming = torch.empty_like(header)
-        dist.all_to_all_single(incoming, header, group=self.group)
+            self.order[name], self.inverse[name] = order, inverse
+            header[:, 1 + at] = np.bincount(owners, minlength=world)
+            header[:, 1 + tables + at] = fresh[name].size
+            outgoing.append((unique[order], counts[order]))
+        incoming = torch.empty(world, 1 + 2 * tables, dtype=torch.int64)
+        dist.all_to_all_single(incoming, torch.from_numpy(header), group=self.group)
         self.now_ms = int(incoming[:, 0].max())
-        self.got = incoming[:, 1:]  # [sender, table]
-        # to each owner, for every table in turn, its distinct ids then their counts
-        per_owner = [
-            (ids.split(self.sent[:, at].tolist()), n.split(self.sent[:, at].tolist()))
-            for at, (ids, n) in enumerate(outgoing)
-        ]
-        send = torch.cat([piece for owner in range(world) for ids, n in per_owner for piece in (ids[owner], n[owner])])
-        received = torch.empty(2 * int(self.got.sum()), dtype=torch.int64)
-        out_sizes, in_sizes = (2 * self.got.sum(1)).tolist(), (2 * self.sent.sum(1)).tolist()
-        dist.all_to_all_single(received, send, out_sizes, in_sizes, group=self.group)
-        pieces = received.split([size for n in self.got.reshape(-1).tolist() for size in (n, n)])
-        # pieces: per sender, per table, ids then counts
-        tables = len(own)
-        self.received = {
-            name: torch.cat([pieces[2 * (sender * tables + at)] for sender in range(world)])
-            for at, name in enumerate(self.names)
-        }
-        self.counts = {
-            name: torch.cat([pieces[2 * (sender * tables + at) + 1] for sender in range(world)])
-            for at, name in enumerate(self.names)
-        }
-
-    def back(self, steps: dict[str, TableStep]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """The rows of this rank's own ids per table, in their order, and every rank's fresh rows
-        per table."""
-        world, tables = self.world, len(self.names)
-        assigned = [steps[name].assigned for name in self.names]
-        fresh_counts = torch.tensor([int(a.numel()) for a in assigned], dtype=torch.int64)
-        # an all-to-all of the same counts to every rank: gloo's all-gather takes twice as long
-        every_fresh = torch.empty(world, tables, dtype=torch.int64)
-        dist.all_to_all_single(every_fresh, fresh_counts.repeat(world, 1), group=self.group)
-        # to each sender, the rows of its ids of every table in turn, then this rank's fresh rows
-        answers = [steps[name].rows.split(self.got[:, at].tolist()) for at, name in enumerate(self.names)]
-        send = torch.cat(
-            [piece for sender in range(world) for piece in (*(answers[at][sender] for at in range(tables)), *assigned)]
+        self.sent = header[:, 1 : 1 + tables]  # [owner, table]
+        self.got = incoming.numpy()[:, 1 : 1 + tables]  # [sender, table]
+        fresh_got = incoming.numpy()[:, 1 + tables :]
+        # to each owner, for every table in turn, its distinct ids then their counts; then the fresh rows
+        firsts = np.concatenate((np.zeros((1, tables), np.int64), np.cumsum(self.sent, axis=0)))
+        chunks = []
+        for owner in range(world):
+            for at, (ids, counts) in enumerate(outgoing):
+                part = slice(firsts[owner, at], firsts[owner + 1, at])
+                chunks += [ids[part], counts[part]]
+            chunks += [fresh[name] for name in self.names]
+        received = torch.empty(int(2 * self.got.sum() + fresh_got.sum()), dtype=torch.int64)
+        in_sizes = (2 * self.got.sum(1) + fresh_got.sum(1)).tolist()
+        out_sizes = (2 * self.sent.sum(1) + sum(f.size for f in fresh.values())).tolist()
+        dist.all_to_all_single(
+            received, torch.from_numpy(np.concatenate(chunks)), in_sizes, out_sizes, group=self.group
         )
-        sizes = [int(self.sent[owner].sum()) + int(every_fresh[owner].sum()) for owner in range(world)]
-        received = torch.empty(sum(sizes), dtype=torch.int64)
-        theirs = [int(self.got[sender].sum()) + int(fresh_counts.sum()) for sender in range(world)]
-        dist.all_to_all_single(received, send, sizes, theirs, group=self.group)
-        per_owner = received.split(sizes)
-        parts = [
-            per_owner[owner].split([*self.sent[owner].tolist(), *every_fresh[owner].tolist()]) for owner in range(world)
-        ]
+        # per sender: per table its ids and counts, then its fresh rows per table
+        sizes = np.concatenate((np.repeat(self.got, 2, axis=1), fresh_got), axis=1).reshape(-1)
+        pieces = np.split(received.numpy(), np.cumsum(sizes)[:-1])
+        per_sender = 3 * tables
+
+        def joined(piece: int) -> np.ndarray:
+            return np.concatenate([pieces[sender * per_sender + piece] for sender in range(world)])
+
+        self.received = {name: torch.from_numpy(joined(2 * at)) for at, name in enumerate(self.names)}
+        self.counts = {name: torch.from_numpy(joined(2 * at + 1)) for at, name in enumerate(self.names)}
+        self.fresh = {name: joined(2 * tables + at) for at, name in enumerate(self.names)}
+
+    def back(self, steps: dict[str, TableStep]) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+        """The rows of this rank's own ids per table, in their order, and the fresh rows among them."""
+        world, tables = self.world, len(self.names)
+        firsts = np.concatenate((np.zeros((1, tables), np.int64), np.cumsum(self.got, axis=0)))
+        answers = []
+        for name in self.names:
+            rows = steps[name].rows.numpy()
+            answers.append(np.where(steps[name].fresh.numpy(), ~rows, rows))
+        # to each sender, the rows of its ids of every table in turn
+        send = np.concatenate(
+            [
+                answers[at][firsts[sender, at] : firsts[sender + 1, at]]
+                for sender in range(world)
+                for at in range(tables)
+            ]
+        )
+        received = torch.empty(int(self.sent.sum()), dtype=torch.int64)
+        in_sizes, out_sizes = self.sent.sum(1).tolist(), self.got.sum(1).tolist()
+        dist.all_to_all_single(received, torch.from_numpy(send), in_sizes, out_sizes, group=self.group)
+        pieces = np.split(received.numpy(), np.cumsum(self.sent.reshape(-1))[:-1])  # per owner, per table
         rows, fresh = {}, {}
         for at, name in enumerate(self.names):
-            in_order = torch.cat([part[at] for part in parts])
-            distinct_rows = torch.empty_like(in_order)
+            in_order = np.concatenate([pieces[owner * tables + at] for owner in range(world)])
+            flagged = in_order < 0
+            in_order[flagged] = ~in_order[flagged]
+            distinct_rows = np.empty_like(in_order)
             distinct_rows[self.order[name]] = in_order
-            rows[name] = distinct_rows[self.inverse[name]]
-            fresh[name] = torch.cat([part[tables + at] for part in parts])
+            rows[name] = torch.from_numpy(distinct_rows[self.inverse[name]])
+            fresh[name] = in_order[flagged]
         return rows, fresh
 
 

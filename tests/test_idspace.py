@@ -358,9 +358,10 @@ def _consistency_rank(rank: int, world_size: int, port: int, out: str, optimizer
         mapped = id_space.to_reset[0]
         before = {
             name: [(shard.weights.clone(), [s.clone() for s in shard.states]) for shard in resetter.shards[name]]
-            for name in mapped.fresh
+            for name in resetter.shards
         }
-        forward()
+        forward()  # gathers the fresh rows of the stream's last batch, which no later step carried
+        assert mapped.fresh is not None
         for name, rows in mapped.fresh.items():
             fresh = resetter.fresh_weights(name, rows, mapped.step)
             for shard, (old_weights, old_states) in zip(resetter.shards[name], before[name], strict=True):
