@@ -141,8 +141,13 @@ def main():
                 summary[name]["events_per_second"] / summary["replicated"]["events_per_second"]
             )
     print(json.dumps(summary, indent=1))
+    commits = {
+        name: subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
+        for name, tree in TREES.items()
+        if name in ORDER
+    }
     Path(out, f"shardcmp-{time.strftime('%Y%m%d-%H%M%S')}.json").write_text(
-        json.dumps({"runs": results, **summary}, indent=1)
+        json.dumps({"commits": commits, "sharding_types": SHARDING_TYPES, "runs": results, **summary}, indent=1)
     )
 
 
