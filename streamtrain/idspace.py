@@ -748,7 +748,14 @@ class IdSpace:
         values = torch.cat(list(per_key.values()))  # in the KJT's key order, as split
         if features.values().is_pinned():  # so the pipeline's copy to the GPU stays asynchronous
             values = values.pin_memory()
-        translated = KeyedJaggedTensor(keys=features.keys(), values=values.to(device), lengths=features.lengths())
+        translated = KeyedJaggedTensor(
+            keys=features.keys(),
+            values=values.to(device),
+            lengths=features.lengths(),
+            # the decoder's, so that the pipeline does not sum them again with a .tolist() (a sync on a GPU)
+            length_per_key=features.length_per_key(),
+            offset_per_key=features.offset_per_key(),
+        )
         if self.metrics:
             self.metrics.step_seconds.observe(time.perf_counter() - started)
         return replace(batch, sparse_features=translated)

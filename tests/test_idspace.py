@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from conftest import REPO, SCHEMA, join_as_spawned_rank, leave_spawned_rank
 from streamtrain.checkpoint import Checkpointer, CheckpointError, StreamState
@@ -130,6 +131,19 @@ def test_the_decoder_hands_managed_tables_the_raw_ids():
     for key in ROWS:
         assert torch.equal(ours[key].values(), theirs[key].values())
         assert int(ours[key].values().max()) >= ROWS[key]  # raw ids, not rows
+
+
+def test_a_translated_batch_keeps_the_decoders_length_caches():
+    """The pipeline reads each KJT's lengths per key: the decoder gives them (no sum and .tolist() a
+    step, which is a sync on a GPU), and replacing the raw ids by rows keeps them."""
+    config = parse_config(managed_raw(), environ={})
+    events = [RawEvent(0, i, v, 0) for i, (_k, v, _p, _c) in enumerate(encoded_events(ClickStream(3, 0), ENCODER, 300))]
+    batch = AvroBatchDecoder(config.features).decode(events).batch
+    translated = IdSpace(config.features, 1, None).translate(batch).sparse_features
+    assert translated._length_per_key is not None and translated._offset_per_key is not None
+    summed = KeyedJaggedTensor(keys=translated.keys(), values=translated.values(), lengths=translated.lengths())
+    assert translated._length_per_key == summed.length_per_key()
+    assert translated._offset_per_key == summed.offset_per_key()
 
 
 ENCODER = AvroEncoder(SCHEMA)
