@@ -161,8 +161,7 @@ def distinct(values: I64, weights: I64 | None = None) -> tuple[I64, I64, I64]:
     ``weights``), and each value's position among them."""
     n = values.shape[0]
     unique, sums, inverse = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
-    weighted = weights is not None
-    found = _distinct(values, weights if weights is not None else _UNWEIGHTED, weighted, unique, sums, inverse)
+    found = _distinct(values, _UNWEIGHTED if weights is None else weights, weights is not None, unique, sums, inverse)
     return unique[:found], sums[:found], inverse
 
 
