@@ -724,6 +724,7 @@ class IdSpace:
         # them this rank's own ids took (``unsent_fresh``), which the next exchange carries.
         self.awaiting_fresh: _Mapped | None = None
         self.unsent_fresh = self._no_rows()
+        self.slot = _slot_head(len(self.tables))  # the exchange's, which every rank agrees on
         self.resetter: RowResetter | None = None
         self.eviction_log: dict[str, deque[tuple[int, Evictions]]] = {t.name: deque() for t in self.tables}
         # The id-space step after which the log holds every eviction: a restore starts it afresh.
@@ -872,10 +873,16 @@ class IdSpace:
 
 
 class _Exchange:
-    """One step's ids sent to the ranks that own their buckets, and their rows sent back: an
-    all-to-all of sizes and one of ids on the way out, one of rows on the way back. A rank sends
-    each distinct id once, with how often its events hold it, so a popular id costs its owner no
-    more than a rare one.
+    """One step's ids sent to the ranks that own their buckets, and their rows sent back: two
+    all-to-alls, ids out and rows back. A rank sends each distinct id once, with how often its
+    events hold it, so a popular id costs its owner no more than a rare one.
+
+    The ids go out in slots, a message to each owner padded to a size every rank knows, so that
+    their sizes need no all-to-all of their own (the sizes vary from step to step, and the rows
+    coming back need them). Each slot opens with its sizes and the longest message its sender had
+    for any owner; every rank reads every sender's, so all agree on the next step's slot, and all
+    see when a message outgrew this one: then every rank sends its ids again, sized exactly, in a
+    third all-to-all.
 
     A row given to a new id comes back flagged (as ``~row``), so each rank learns the fresh rows
     its own ids took. Every rank must reset the rows its shards hold, whichever rank's ids took
@@ -888,8 +895,9 @@ class _Exchange:
         self.world, tables = world, len(own)
         self.order: dict[str, np.ndarray] = {}  # per table: distinct ids by owner, as positions
         self.inverse: dict[str, np.ndarray] = {}  # per table: each own id's distinct id
-        # per owner: newest, the ids per table, then the fresh rows per table (the same to each owner)
-        header = np.empty((world, 1 + 2 * tables), dtype=np.int64)
+        # per owner: newest, the longest message, the ids per table, the fresh rows per table
+        head = _slot_head(tables)
+        header = np.empty((world, head), dtype=np.int64)
         header[:, 0] = newest
         outgoing = []
         for at, (name, values) in enumerate(own.items()):
@@ -897,37 +905,56 @@ class _Exchange:
             owners = id_space.owners[name][buckets_of(unique, id_space.mapping.tables[name].bucket_count)]
             order = np.argsort(owners, kind="stable")
             self.order[name], self.inverse[name] = order, inverse
-            header[:, 1 + at] = np.bincount(owners, minlength=world)
-            header[:, 1 + tables + at] = fresh[name].size
+            header[:, 2 + at] = np.bincount(owners, minlength=world)
+            header[:, 2 + tables + at] = fresh[name].size
             outgoing.append((unique[order], counts[order]))
-        incoming = torch.empty(world, 1 + 2 * tables, dtype=torch.int64)
-        dist.all_to_all_single(incoming, torch.from_numpy(header), group=self.group)
-        self.now_ms = int(incoming[:, 0].max())
-        self.sent = header[:, 1 : 1 + tables]  # [owner, table]
-        self.got = incoming.numpy()[:, 1 : 1 + tables]  # [sender, table]
-        fresh_got = incoming.numpy()[:, 1 + tables :]
+        self.sent = header[:, 2 : 2 + tables]  # [owner, table]
+        out_sizes = 2 * self.sent.sum(1) + sum(f.size for f in fresh.values())
+        header[:, 1] = head + out_sizes.max()
         # to each owner, for every table in turn, its distinct ids then their counts; then the fresh rows
         runs = [
             (_runs(ids, self.sent[:, at]), _runs(counts, self.sent[:, at])) for at, (ids, counts) in enumerate(outgoing)
         ]
-        chunks = []
+        payloads = []
         for owner in range(world):
+            chunks = []
             for ids_runs, counts_runs in runs:
                 chunks += [ids_runs[owner], counts_runs[owner]]
-            chunks += [fresh[name] for name in self.names]
-        received = torch.empty(int(2 * self.got.sum() + fresh_got.sum()), dtype=torch.int64)
-        in_sizes = (2 * self.got.sum(1) + fresh_got.sum(1)).tolist()
-        out_sizes = (2 * self.sent.sum(1) + sum(f.size for f in fresh.values())).tolist()
-        dist.all_to_all_single(
-            received, torch.from_numpy(np.concatenate(chunks)), in_sizes, out_sizes, group=self.group
-        )
+            payloads.append(np.concatenate(chunks + [fresh[name] for name in self.names]))
+
+        slot = id_space.slot
+        slots = np.zeros((world, slot), dtype=np.int64)
+        slots[:, :head] = header
+        if header[0, 1] <= slot:
+            for owner, payload in enumerate(payloads):
+                slots[owner, head : head + payload.size] = payload
+        incoming = torch.empty(world * slot, dtype=torch.int64)
+        dist.all_to_all_single(incoming, torch.from_numpy(slots.reshape(-1)), group=self.group)
+        got_slots = incoming.numpy().reshape(world, slot)
+        longest = int(got_slots[:, 1].max())
+        id_space.slot = max(head, longest + longest // 4)  # room for the next step's sizes to grow
+        self.now_ms = int(got_slots[:, 0].max())
+        self.got = got_slots[:, 2 : 2 + tables]  # [sender, table]
+        fresh_got = got_slots[:, 2 + tables : head]
+        in_sizes = 2 * self.got.sum(1) + fresh_got.sum(1)
+        if longest <= slot:
+            received = [got_slots[sender, head : head + in_sizes[sender]] for sender in range(world)]
+        else:
+            exact = torch.empty(int(in_sizes.sum()), dtype=torch.int64)
+            dist.all_to_all_single(
+                exact,
+                torch.from_numpy(np.concatenate(payloads)),
+                in_sizes.tolist(),
+                out_sizes.tolist(),
+                group=self.group,
+            )
+            received = _runs(exact.numpy(), in_sizes)
         # per sender: per table its ids and counts, then its fresh rows per table
-        sizes = np.concatenate((np.repeat(self.got, 2, axis=1), fresh_got), axis=1).reshape(-1)
-        pieces = _runs(received.numpy(), sizes)
-        per_sender = 3 * tables
+        sizes = np.concatenate((np.repeat(self.got, 2, axis=1), fresh_got), axis=1)
+        pieces = [_runs(received[sender], sizes[sender]) for sender in range(world)]
 
         def joined(piece: int) -> np.ndarray:
-            return np.concatenate([pieces[sender * per_sender + piece] for sender in range(world)])
+            return np.concatenate([pieces[sender][piece] for sender in range(world)])
 
         self.received = {name: torch.from_numpy(joined(2 * at)) for at, name in enumerate(self.names)}
         self.counts = {name: torch.from_numpy(joined(2 * at + 1)) for at, name in enumerate(self.names)}
@@ -956,6 +983,12 @@ class _Exchange:
             rows[name] = torch.from_numpy(distinct_rows[self.inverse[name]])
             fresh[name] = in_order[flagged]
         return rows, fresh
+
+
+def _slot_head(tables: int) -> int:
+    """A slot's header: the newest event time, the longest message, then the ids and the fresh rows
+    per table."""
+    return 2 + 2 * tables
 
 
 def _runs(values: np.ndarray, sizes: np.ndarray) -> list[np.ndarray]:

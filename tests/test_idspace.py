@@ -470,6 +470,52 @@ def test_ranks_map_every_id_to_one_row_alone_and_evicted_rows_start_fresh(
         assert sum(c["state_was_set"] for c in checked) > 50, checked
 
 
+# ids a rank maps each step: steady, then a step 4x larger than the slot, then steady again
+EXCHANGE_IDS = [400, 400, 400, 1600, 400, 400]
+# all-to-alls each step: the first knows no slot yet; the second carries the first's fresh rows (every
+# id's) on top of its ids, so it outgrows the slot the first left; the grown step does too
+EXCHANGE_CALLS = [3, 3, 2, 3, 2, 2]
+
+
+def _exchange_rank(rank: int, world_size: int, port: int, out: str) -> None:
+    join_as_spawned_rank(rank, world_size, port)
+    torch.distributed.init_process_group("gloo")
+    features = parse_config(managed_raw(rows={"user_id": 2_000}), environ={}).features
+    id_space = IdSpace(features, world_size, None)
+    calls = []
+    all_to_all = torch.distributed.all_to_all_single
+
+    def counted(*args, **kwargs):
+        calls[-1] += 1
+        return all_to_all(*args, **kwargs)
+
+    torch.distributed.all_to_all_single = counted
+    rng = np.random.default_rng(rank)
+    for step, n in enumerate(EXCHANGE_IDS):
+        calls.append(0)
+        id_space.map_step({"user_id": torch.from_numpy(rng.integers(0, 3_000, n) + 100 * step)}, 1_000 + step)
+        id_space.before_forward()
+        id_space.trained()
+    torch.save({"calls": calls, "map": id_space.state_dict()}, f"{out}/rank{rank}.pt")
+    leave_spawned_rank()
+
+
+def test_a_step_exchanges_ids_in_two_all_to_alls_and_one_that_outgrows_the_slot_in_three(tmp_path):
+    """The sizes travel in the ids' own slots: only a step whose messages outgrow the slot the ranks
+    agreed on pays a third all-to-all, of exact sizes. The map is the one a process builds alone."""
+    mp.spawn(_exchange_rank, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert all(r["calls"] == EXCHANGE_CALLS for r in results), [r["calls"] for r in results]
+
+    features = parse_config(managed_raw(rows={"user_id": 2_000}), environ={}).features
+    mapping = IdMapping([t for t in features.tables if t.id_mapping == "managed"])
+    rngs = [np.random.default_rng(rank) for rank in range(2)]
+    for step, n in enumerate(EXCHANGE_IDS):
+        ids = np.concatenate([rng.integers(0, 3_000, n) + 100 * step for rng in rngs])
+        mapping.update({"user_id": torch.from_numpy(ids)}, 1_000 + step)
+    assert_same_state(merged([r["map"] for r in results]), mapping.state_dict())
+
+
 def merged(states: list[dict]) -> dict:
     """The whole map from each rank's: the buckets of every rank, side by side."""
     whole: dict = {"step": states[0]["step"]}
