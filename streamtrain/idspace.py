@@ -103,41 +103,36 @@ _BUCKET_SALT = np.uint64(0xA4093822299F31D0)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _sketch_cells(ids: np.ndarray, local_buckets: np.ndarray, width: int, salts: np.ndarray) -> np.ndarray:
-    """The sketch cell of each id in each hash row: its salted splitmix64 hash, in its bucket's cells."""
-    cells = np.empty((salts.shape[0], ids.shape[0]), dtype=np.int64)
-    for row in range(salts.shape[0]):
-        for i in range(ids.shape[0]):
-            cells[row, i] = np.int64(mix(np.uint64(ids[i]) ^ salts[row]) % np.uint64(width)) + local_buckets[i] * width
-    return cells
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
 def _count_sightings(
-    sketch: np.ndarray, cells: np.ndarray, counts: np.ndarray, totals: np.ndarray, span: int
+    sketch: np.ndarray, ids: np.ndarray, local_buckets: np.ndarray, counts: np.ndarray, totals: np.ndarray, width: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Add each id's ``counts`` to its ``cells`` of ``sketch`` (one per hash row), saturating, and
-    what each cell's bucket gained to ``totals`` (a bucket spans ``span`` cells of each hash row).
+    """Add each id's ``counts`` to its cell in each hash row of ``sketch``, saturating, and what
+    each bucket gained to ``totals``. An id's cell in a hash row is its salted splitmix64 hash, in
+    its bucket's ``width`` cells (a power of two, so a mask, not a division, places it).
     Returns each id's estimate, the least of its cells once every sighting is in (ids sharing a cell
     add up; a saturated cell still reads at least any min_count), and each write's flat cell and old
     value, in the order written (a cell two ids share appears twice)."""
     flat = sketch.reshape(-1)
-    hash_rows, n = cells.shape
-    width = sketch.shape[1]
+    hash_rows, n = sketch.shape[0], ids.shape[0]
+    row_cells = sketch.shape[1]
+    mask = np.uint64(width - 1)
     written = np.empty(hash_rows * n, dtype=np.int64)
     old = np.empty(hash_rows * n, dtype=sketch.dtype)
     for row in range(hash_rows):
+        salt = _SKETCH_SALTS_ARRAY[row]
         for i in range(n):
             at = row * n + i
-            cell = row * width + cells[row, i]
-            written[at], old[at] = cell, flat[cell]
-            new = min(np.int64(old[at]) + counts[i], _SKETCH_MAX)
-            flat[cell] = new
-            totals[cells[row, i] // span] += new - np.int64(old[at])
+            bucket = local_buckets[i]
+            cell = row * row_cells + bucket * width + np.int64(mix(np.uint64(ids[i]) ^ salt) & mask)
+            before = flat[cell]
+            written[at], old[at] = cell, before
+            after = min(np.int64(before) + counts[i], _SKETCH_MAX)
+            flat[cell] = after
+            totals[bucket] += after - np.int64(before)
     estimate = np.full(n, _INT64_MAX, dtype=np.int64)
     for row in range(hash_rows):
         for i in range(n):
-            estimate[i] = min(estimate[i], np.int64(flat[row * width + cells[row, i]]))
+            estimate[i] = min(estimate[i], np.int64(flat[written[row * n + i]]))
     return estimate, written, old
 
 
@@ -447,11 +442,13 @@ class TableIds:
         if self.arrays.last_time_ms is not None:
             undo.write(self.arrays, "last_time_ms", rows)[rows] = now_ms
 
-    def _count_waiting(self, undo: Undo, cells: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """Count the sightings of waiting ids in their ``cells``; each one's estimate."""
+    def _count_waiting(self, undo: Undo, ids: np.ndarray, local_buckets: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Count the sightings of waiting ``ids`` in their buckets' cells; each one's estimate."""
         sketch = self.arrays.sketch
         assert sketch is not None
-        estimate, written, old = _count_sightings(sketch, cells, counts, self.sketch_totals, self.sketch_width)
+        estimate, written, old = _count_sightings(
+            sketch, ids, local_buckets, counts, self.sketch_totals, self.sketch_width
+        )
         undo.record("sketch", written, old)
         # TinyLFU's sample: once a bucket's cells hold a sighting each on average, halve them,
         # however many steps that took. Halving only every interval_steps lets a stream with many ids
@@ -482,8 +479,7 @@ class TableIds:
             draw = _uniform(splitmix64(raw ^ splitmix64(np.array([step], dtype=np.uint64))))
             return draw < rule.probability
         assert rule.min_count is not None
-        cells = _sketch_cells(ids, local_buckets, self.sketch_width, _SKETCH_SALTS_ARRAY)
-        return self._count_waiting(undo, cells, counts) >= rule.min_count
+        return self._count_waiting(undo, ids, local_buckets, counts) >= rule.min_count
 
     def _rows_for(self, local_buckets: np.ndarray, seen: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
         """A row (in the arrays) for each admitted id, of the id's bucket (``local_buckets``), or -1
