@@ -829,7 +829,7 @@ class DistributedConfig(_Strict):
         gt=0,
         description="Threads each rank's operators run on (torch.set_num_threads). Unset: OMP_NUM_THREADS when "
         "set, else the cores this process may use, shared among the host's ranks, less one for the data path "
-        "and the snapshot writer.",
+        "and the snapshot writer. A large step's managed-id map (streamtrain/idspace.py) runs on as many.",
     )
 
     @field_validator("plan_path", "intra_op_threads", mode="before")

@@ -58,7 +58,6 @@ import itertools
 import logging
 import math
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -74,7 +73,7 @@ from streamtrain.config import FeaturesConfig, TableConfig, TaskConfig, default_
 from streamtrain.registry import BadWriterSchema
 from streamtrain.schema import field_schema, load_schema, without_logical_types
 from streamtrain.source import EventBatch, RawEvent
-from streamtrain.threads import DECODE, name_this_thread, yield_wakeups_to_the_trainer
+from streamtrain.threads import DECODE, Slices
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +192,7 @@ class AvroBatchDecoder:
         threads: int = 1,
     ):
         self.features = features
-        self.slices = _Slices(threads)
+        self.slices = Slices(threads, MIN_SLICE_EVENTS, DECODE)
         self.tasks = tasks or default_tasks(features)
         self.required = np.array([t.required for t in self.tasks], dtype=np.bool_)
         self.confluent = features.wire_format == "confluent"
@@ -372,40 +371,6 @@ def _distinct(ids: np.ndarray) -> list[int]:
 
 # Below this many events a slice costs more in handing over than its thread gains.
 MIN_SLICE_EVENTS = 1024
-
-
-class _Slices:
-    """Cuts a batch into slices, at most one per thread, and runs a step over them on ``threads``
-    threads, the calling thread's among them."""
-
-    def __init__(self, threads: int):
-        if threads < 1:
-            raise ValueError(f"decode threads must be at least 1, not {threads}")
-        self.threads = threads
-        self.pool = (
-            ThreadPoolExecutor(threads - 1, thread_name_prefix="streamtrain-decode", initializer=_as_decode_thread)
-            if threads > 1
-            else None
-        )
-
-    def cut(self, n: int) -> list[slice]:
-        count = max(1, min(self.threads, n // MIN_SLICE_EVENTS))
-        return [slice(n * i // count, n * (i + 1) // count) for i in range(count)]
-
-    def map(self, step: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
-        if self.pool is None or len(items) == 1:
-            return [step(item) for item in items]
-        futures = [self.pool.submit(step, item) for item in items[1:]]
-        try:
-            mine = step(items[0])
-        finally:  # the helpers write into the caller's arrays: never leave while one still does
-            wait(futures)
-        return [mine, *(future.result() for future in futures)]
-
-
-def _as_decode_thread() -> None:
-    name_this_thread(DECODE)
-    yield_wakeups_to_the_trainer()
 
 
 @dataclass(frozen=True)

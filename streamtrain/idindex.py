@@ -24,6 +24,8 @@ import numpy as np
 import numpy.typing as npt
 from numba import njit
 
+from streamtrain.threads import Slices
+
 MAX_LOAD = 0.7  # linear probing: about 6 probes for a miss at this load, 2 for a hit
 EMPTY = -1
 
@@ -174,10 +176,13 @@ class IdIndex:
         dtype = np.int16 if capacity < 2**15 else np.int32
         self.slots = np.full(max(1, math.ceil(capacity / MAX_LOAD)), EMPTY, dtype=dtype)
 
-    def find(self, keys: I64) -> I64:
-        """The row of each key, or -1 where it has none."""
+    def find(self, keys: I64, slices: Slices | None = None) -> I64:
+        """The row of each key, or -1 where it has none; on ``slices``' threads, where given."""
         rows = np.empty(keys.shape[0], dtype=np.int64)
-        _find(self.slots, self.ids, keys, rows)
+        if slices is None:
+            _find(self.slots, self.ids, keys, rows)
+        else:  # lookups only read the index: any cut of the keys gives the same rows
+            slices.map(lambda part: _find(self.slots, self.ids, keys[part], rows[part]), slices.cut(keys.shape[0]))
         return rows
 
     def insert(self, rows: I64) -> None:

@@ -61,6 +61,7 @@ it is full.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import deque
@@ -78,6 +79,7 @@ from streamtrain.config import EvictionConfig, FeaturesConfig, TableConfig
 from streamtrain.decode import ClickBatch, splitmix64
 from streamtrain.idindex import IdIndex, distinct, mix, salted_homes
 from streamtrain.metrics import IdSpaceMetrics
+from streamtrain.threads import IDMAP, Slices
 
 _INT64_MAX = np.iinfo(np.int64).max
 # Two hash rows for the count sketch of ids waiting for admission, with salts that make them
@@ -100,6 +102,8 @@ _MAX_AGE = np.int64(_STEP_MASK)
 _EVICTION_LOG_STEPS = 10_000
 # Salts the hash that picks an id's bucket, so that it is independent of the index's.
 _BUCKET_SALT = np.uint64(0xA4093822299F31D0)
+# The fewest ids a helper thread takes: below it, handing a slice over costs about what it saves.
+MIN_SLICE_IDS = 8_192
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -134,6 +138,23 @@ def _count_sightings(
         for i in range(n):
             estimate[i] = min(estimate[i], np.int64(flat[written[row * n + i]]))
     return estimate, written, old
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _by_bucket(local_buckets: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The positions of ``local_buckets`` grouped by bucket, each group in its first order (a
+    counting sort), and where each bucket's group starts, with the end last."""
+    starts = np.zeros(count + 1, dtype=np.int64)
+    for bucket in local_buckets:
+        starts[bucket + 1] += 1
+    for bucket in range(count):
+        starts[bucket + 1] += starts[bucket]
+    order = np.empty(local_buckets.shape[0], dtype=np.int64)
+    filled = starts[:-1].copy()
+    for i in range(local_buckets.shape[0]):
+        order[filled[local_buckets[i]]] = i
+        filled[local_buckets[i]] += 1
+    return order, starts
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -331,8 +352,10 @@ class TableIds:
     Rows given in and out (``TableStep``, ``find``, ``live``) are the table's; the arrays hold the
     owned buckets' rows only, from ``start``."""
 
-    def __init__(self, table: TableConfig, buckets: range | None = None):
+    def __init__(self, table: TableConfig, buckets: range | None = None, slices: Slices | None = None):
+        """``slices``: the threads that share a large step's lookups and sketch counts."""
         self.name = table.name
+        self.slices = slices
         self.unknown_row = table.live_rows()
         owned = range(table.id_buckets()) if buckets is None else buckets
         self.buckets = owned
@@ -382,7 +405,7 @@ class TableIds:
         # ids deduplicated by their senders come with counts: several senders may send one id
         unique, counts_seen, inverse = distinct(ids.numpy(), None if counts is None else counts.numpy())
         local_buckets = self._local_buckets(unique)
-        rows = self.index.find(unique)
+        rows = self.index.find(unique, self.slices)
         hit = rows >= 0
         seen = rows[hit]
         waiting = np.flatnonzero(~hit)
@@ -446,9 +469,22 @@ class TableIds:
         """Count the sightings of waiting ``ids`` in their buckets' cells; each one's estimate."""
         sketch = self.arrays.sketch
         assert sketch is not None
-        estimate, written, old = _count_sightings(
-            sketch, ids, local_buckets, counts, self.sketch_totals, self.sketch_width
-        )
+        width, totals, slices = self.sketch_width, self.sketch_totals, self.slices
+        cut = slices.cut(ids.size) if slices else []
+        if slices is None or len(cut) < 2:
+            estimate, written, old = _count_sightings(sketch, ids, local_buckets, counts, totals, width)
+        else:
+            groups = self._whole_buckets(local_buckets, cut)
+
+            def count(group: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                return _count_sightings(sketch, ids[group], local_buckets[group], counts[group], totals, width)
+
+            counted = slices.map(count, groups)
+            estimate = np.empty(ids.size, dtype=np.int64)
+            for group, (part, _written, _old) in zip(groups, counted, strict=True):
+                estimate[group] = part
+            written = np.concatenate([c[1] for c in counted])
+            old = np.concatenate([c[2] for c in counted])
         undo.record("sketch", written, old)
         # TinyLFU's sample: once a bucket's cells hold a sighting each on average, halve them,
         # however many steps that took. Halving only every interval_steps lets a stream with many ids
@@ -459,6 +495,16 @@ class TableIds:
             undo.halve(self.arrays, "sketch", columns)
             self.sketch_totals[bucket] = int(sketch[:, columns].sum(dtype=np.int64))
         return estimate
+
+    def _whole_buckets(self, local_buckets: np.ndarray, cut: list[slice]) -> list[np.ndarray]:
+        """The positions of ``local_buckets`` in groups of whole buckets, about as ``cut`` cuts them.
+        A bucket's sketch cells and total are its own, so threads that take whole buckets never
+        write side by side, and each cell sees its sightings in the order one thread alone would."""
+        order, starts = _by_bucket(local_buckets, len(self.buckets))
+        # each cut moved back to the start of the bucket it falls in
+        bounds = starts[np.searchsorted(starts, [part.start for part in cut[1:]], side="right") - 1]
+        edges = [0, *np.unique(bounds).tolist(), local_buckets.size]
+        return [order[a:b] for a, b in itertools.pairwise(edges) if b > a]
 
     def _recount_sketch(self) -> None:
         sketch = self.arrays.sketch
@@ -644,8 +690,10 @@ class TableIds:
 class IdMapping:
     """All managed tables' maps (of the buckets ``rank`` owns), and the step they have reached."""
 
-    def __init__(self, tables: Sequence[TableConfig], rank: int = 0, world_size: int = 1):
-        self.tables = {t.name: TableIds(t, owned_buckets(t, rank, world_size)) for t in tables}
+    def __init__(self, tables: Sequence[TableConfig], rank: int = 0, world_size: int = 1, threads: int = 1):
+        """``threads``: for a large step's lookups and sketch counts (``MIN_SLICE_IDS`` ids a thread)."""
+        slices = Slices(threads, MIN_SLICE_IDS, IDMAP) if threads > 1 else None
+        self.tables = {t.name: TableIds(t, owned_buckets(t, rank, world_size), slices) for t in tables}
         self.step = 0
 
     def update(
@@ -699,7 +747,9 @@ class IdSpace:
         world_size: int,
         group: dist.ProcessGroup | None,
         metrics: IdSpaceMetrics | None = None,
+        threads: int = 1,
     ):
+        """``threads``: the rank's threads for a large step's map (the calling thread's among them)."""
         self.tables = managed_tables(features)
         self.features = features
         self.world_size = world_size
@@ -707,7 +757,7 @@ class IdSpace:
         self.rank = dist.get_rank(group) if world_size > 1 else 0
         self.metrics = metrics
         # mapped up to the newest batch in flight, for this rank's buckets
-        self.mapping = IdMapping(self.tables, self.rank, world_size)
+        self.mapping = IdMapping(self.tables, self.rank, world_size, threads)
         # the rank that owns each bucket, per table: 16 bits, which numpy's stable argsort radix-sorts
         ranks = np.arange(world_size, dtype=np.uint16)
         self.owners = {

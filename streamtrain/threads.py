@@ -14,10 +14,15 @@ import ctypes
 import ctypes.util
 import os
 import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import Any
 
 PREFETCH = "st-prefetch"
 # A rank's helpers decoding slices of the prefetch thread's batches (batching.decode_threads).
 DECODE = "st-decode"
+# A rank's helpers mapping slices of a step's managed ids (streamtrain/idspace.py).
+IDMAP = "st-idmap"
 
 _PR_SET_NAME = 15
 _NAME_BYTES = 16  # the kernel's limit, the terminating NUL included
@@ -48,3 +53,39 @@ def profiled(name: str) -> contextlib.AbstractContextManager[object]:
     import torch  # here, not above: a process that only names its threads stays free of torch
 
     return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
+
+
+class Slices:
+    """Cuts work of ``n`` items into slices of at least ``min_slice`` items, at most one per
+    thread, and runs a step over them on ``threads`` threads, the calling thread's among them. The
+    helpers carry the kernel name ``name`` and run under SCHED_BATCH. A step that releases the GIL
+    (a numba ``nogil`` kernel) runs its slices side by side."""
+
+    def __init__(self, threads: int, min_slice: int, name: str):
+        if threads < 1:
+            raise ValueError(f"{name} threads must be at least 1, not {threads}")
+        self.threads, self.min_slice = threads, min_slice
+        self.pool = (
+            ThreadPoolExecutor(threads - 1, thread_name_prefix=name, initializer=_helper, initargs=(name,))
+            if threads > 1
+            else None
+        )
+
+    def cut(self, n: int) -> list[slice]:
+        count = max(1, min(self.threads, n // self.min_slice))
+        return [slice(n * i // count, n * (i + 1) // count) for i in range(count)]
+
+    def map(self, step: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+        if self.pool is None or len(items) == 1:
+            return [step(item) for item in items]
+        futures = [self.pool.submit(step, item) for item in items[1:]]
+        try:
+            mine = step(items[0])
+        finally:  # the helpers write into the caller's arrays: never leave while one still does
+            wait(futures)
+        return [mine, *(future.result() for future in futures)]
+
+
+def _helper(name: str) -> None:
+    name_this_thread(name)
+    yield_wakeups_to_the_trainer()

@@ -452,7 +452,9 @@ class Trainer:
         self.id_space: IdSpace | None = None
         if managed_tables(config.features):
             group = gloo_group(env.world_size, config.distributed.timeout_seconds)
-            id_space = self.id_space = IdSpace(config.features, env.world_size, group, id_space_metrics)
+            # the map runs on this thread between the step's operators: it may take their threads' cores
+            threads = torch.get_num_threads()
+            id_space = self.id_space = IdSpace(config.features, env.world_size, group, id_space_metrics, threads)
             id_space.resetter = RowResetter(self.model, managed_tables(config.features), config.model.seed)
             self.model.module.register_forward_pre_hook(lambda _module, _args: id_space.before_forward())
 

@@ -466,6 +466,7 @@ def test_idspace_benchmark_trains_one_drifting_stream_hash_managed_and_reference
     )
     assert scale["memory_per_rank_ratio"] <= 1.2 and scale["ids_per_rank_ratio"] <= 1.3
     assert scale["projected_step_seconds_8x32k"] > 0 and "projected map time a step" in printed
+    assert scale["threaded"]["speedup"] > 0 and f"1 rank on {scale['threaded']['threads']} threads" in printed
     tailed = saved["tailed"]
     assert tailed["drift"]["one_off"] == pytest.approx(1 / 3) and tailed["managed_admission"] == {"min_count": 2}
     assert "scale" not in tailed  # the scale leg reads no stream: it runs once

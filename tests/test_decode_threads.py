@@ -20,6 +20,7 @@ from streamtrain.dev.kafka import create_topic
 from streamtrain.dev.produce import ClickStream
 from streamtrain.device import decode_threads
 from streamtrain.source import EventBatch, RawEvent
+from streamtrain.threads import DECODE
 from test_deadletter import BAD_PAYLOADS, DLQ_CONFIG, Sent, dlq_env, read_all, send, valid_messages
 from test_decoder_fuzz import decoders, fuzz_payloads
 
@@ -67,7 +68,7 @@ def test_several_threads_decode_varied_and_malformed_batches_exactly_as_one(tmp_
             assert_same(several.decode(events), expected)
             seen.update(reason.split(":")[0] for _e, reason in expected.rejected)
         assert len(seen) >= 8, seen  # the batches did hold many kinds of bad payload
-    helpers = [t for t in threading.enumerate() if t.name.startswith("streamtrain-decode")]
+    helpers = [t for t in threading.enumerate() if t.name.startswith(DECODE)]
     assert len(helpers) >= 2, "the slices were not decoded on helper threads"
 
 

@@ -7,6 +7,7 @@ tests/test_idspace_faults.py."""
 from __future__ import annotations
 
 import copy
+import threading
 from collections import defaultdict
 
 import numpy as np
@@ -24,8 +25,9 @@ from streamtrain.delivery.publisher import table_keys
 from streamtrain.dev.kafka import free_port
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 from streamtrain.device import gloo_group, init_distributed
-from streamtrain.idspace import IdMapping, IdSpace, TableIds, TableStep, whole_map
+from streamtrain.idspace import MIN_SLICE_IDS, IdMapping, IdSpace, TableIds, TableStep, whole_map
 from streamtrain.source import RawEvent
+from streamtrain.threads import IDMAP
 from streamtrain.train import Trainer
 
 # Small tables for the stream's Zipf ids (a million users), so rows are evicted from the first steps;
@@ -304,6 +306,30 @@ def test_the_cut_restores_sketch_cells_that_several_waiting_ids_of_a_step_share(
         behind.update({"t": values}, now_ms=at)
     crowded = ahead.update({"t": torch.arange(1_000, 1_000 + 3 * ahead.tables["t"].sketch_width)}, now_ms=3)
     assert_same_state(ahead.state_dict([crowded]), behind.state_dict())
+
+
+def test_a_large_step_mapped_on_several_threads_maps_as_one_thread_does():
+    """Lookups and sketch counts of a step with over MIN_SLICE_IDS ids a thread go to helper threads,
+    the sketch's by whole buckets: the rows, the map, and the map at the cut (each sketch write
+    undone) are one thread's, and the helpers did run."""
+    rng = np.random.default_rng(5)
+    tables = [table(id_mapping="managed", rows=8_000, buckets=9, admission={"min_count": 2})]
+    one, three = IdMapping(tables), IdMapping(tables, threads=3)
+    # a head that recurs and a tail over many ids: over 2 x MIN_SLICE_IDS distinct, mostly waiting
+    size = 3 * MIN_SLICE_IDS + 5
+    steps = [
+        torch.from_numpy(np.concatenate((rng.zipf(1.2, size // 3), rng.integers(0, 200_000, size - size // 3))))
+        for _ in range(8)
+    ]
+    evicted = 0
+    for at, values in enumerate(steps, 1):
+        alone, shared = one.update({"t": values}, now_ms=at), three.update({"t": values}, now_ms=at)
+        assert torch.equal(alone["t"].rows, shared["t"].rows)
+        evicted += len(alone["t"].evicted)
+    assert evicted > 10_000  # the table filled: every step admits and evicts
+    assert_same_state(three.state_dict([shared]), one.state_dict([alone]))
+    assert_same_state(three.state_dict(), one.state_dict())
+    assert any(t.name.startswith(IDMAP) for t in threading.enumerate()), "no helper thread ran"
 
 
 def test_the_cut_tells_deltas_each_rows_raw_id_and_what_was_evicted_since_a_step():

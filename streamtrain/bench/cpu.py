@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streamtrain.threads import DECODE, PREFETCH
+from streamtrain.threads import DECODE, IDMAP, PREFETCH
 
 GROUPS = ("trainer", "prefetch", "librdkafka", "gloo", "other")
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -35,7 +35,7 @@ _TICK = os.sysconf("SC_CLK_TCK")
 
 def thread_group(pid: int, tid: int, name: str) -> str:
     """Which of ``GROUPS`` a rank's thread belongs to."""
-    if tid == pid:
+    if tid == pid or name == IDMAP:  # the map's helpers work for the training thread, which waits on them
         return "trainer"
     if name.startswith("rdk:"):  # librdkafka names its threads rdk:main, rdk:broker<id>, ...
         return "librdkafka"

@@ -11,6 +11,10 @@ times the ids a rank maps at 32k events a rank (its distinct ids, at most 32k, t
 rank's share over the mean), which stays the same however many ranks there are. A replicated map
 would cost every rank the 1-rank time of the whole global step instead.
 
+Beside them, one rank maps the same steps on every core of the host (the map's helper threads,
+``IdSpace(threads=...)``), against its one-thread run: ``threaded.speedup``. The projection stays
+one thread's.
+
 ``ids_per_rank_ratio`` counts what a rank maps: each sender's distinct ids of the owner's buckets,
 against the global step's ids over the world size.
 """
@@ -43,7 +47,7 @@ def global_steps(ids_per_step: int, steps: int, seed: int) -> list[np.ndarray]:
     return out
 
 
-def _rank(rank: int, world_size: int, port: int, features_json: str, steps_json: str, out: str) -> None:
+def _rank(rank: int, world_size: int, port: int, features_json: str, steps_json: str, out: str, threads: int) -> None:
     os.environ.update(local_rank_env(rank, world_size, port))
     import torch
     import torch.distributed as dist
@@ -56,7 +60,7 @@ def _rank(rank: int, world_size: int, port: int, features_json: str, steps_json:
     ids_per_step, steps, seed, warmup = json.loads(steps_json)
     if world_size > 1:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    id_space = IdSpace(features, world_size, None)
+    id_space = IdSpace(features, world_size, None, threads=threads)
     name = id_space.tables[0].name
     seconds, mapped = [], []
     for at, ids in enumerate(global_steps(ids_per_step, steps, seed)):
@@ -89,18 +93,24 @@ def scale_leg(features: object, ids_per_step: int, steps: int, seed: int, progre
 
     features_json = features.model_dump_json()  # type: ignore[attr-defined]
     steps_json = json.dumps([ids_per_step, steps, seed, max(2, steps // 5)])
+
+    def spawned(world_size: int, threads: int) -> list[dict]:
+        with tempfile.TemporaryDirectory() as out:
+            mp.spawn(_rank, args=(world_size, free_port(), features_json, steps_json, out, threads), nprocs=world_size)
+            return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]
+
     per_world: dict[str, list[dict]] = {}
     for world_size in WORLD_SIZES:
-        with tempfile.TemporaryDirectory() as out:
-            args = (world_size, free_port(), features_json, steps_json, out)
-            mp.spawn(_rank, args=args, nprocs=world_size)
-            per_world[str(world_size)] = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world_size)]
-        ranks = per_world[str(world_size)]
+        ranks = per_world[str(world_size)] = spawned(world_size, 1)
         progress(
             f"scale: {world_size} rank(s): map {max(r['seconds_per_step'] for r in ranks) * 1e3:.2f} ms a step, "
             f"{max(r['ids_per_step'] for r in ranks):,.0f} ids and {max(r['memory_bytes'] for r in ranks) / 2**20:.1f} "
             "MiB on the busiest rank"
         )
+    cores = os.cpu_count() or 1
+    alone = spawned(1, cores)[0]["seconds_per_step"]
+    speedup = per_world["1"][0]["seconds_per_step"] / alone
+    progress(f"scale: 1 rank on {cores} threads: map {alone * 1e3:.2f} ms a step, {speedup:.2f}x one thread's")
     total = per_world["1"][0]["memory_bytes"]
     memory_ratio = max(r["memory_bytes"] / (total / int(w)) for w, ranks in per_world.items() for r in ranks)
     ids_ratio = max(r["ids_per_step"] / (ids_per_step / int(w)) for w, ranks in per_world.items() for r in ranks)
@@ -112,7 +122,6 @@ def scale_leg(features: object, ids_per_step: int, steps: int, seed: int, progre
         )
     )
     step_seconds = {w: max(r["seconds_per_step"] for r in ranks) for w, ranks in per_world.items()}
-    cores = os.cpu_count() or 1
     per_id = max(
         r["seconds_per_step"] / r["ids_per_step"]
         for w, ranks in per_world.items()
@@ -133,6 +142,7 @@ def scale_leg(features: object, ids_per_step: int, steps: int, seed: int, progre
         "seconds_per_id": per_id,
         "projected_step_seconds_8x32k": projected,
         "projected_step_seconds_64x32k": projected,
+        "threaded": {"threads": cores, "seconds_per_step": alone, "speedup": speedup},
         "goals": {
             "memory_per_rank_ratio": MEMORY_GOAL,
             "ids_per_rank_ratio": IDS_GOAL,
@@ -153,4 +163,6 @@ def lines(scale: dict) -> list[str]:
         f"  scale: {scale['seconds_per_id'] * 1e9:.0f} ns an id; projected map time a step at 8 (and 64) ranks x 32k "
         f"events: {scale['projected_step_seconds_8x32k'] * 1e3:.3f} ms (goal <= "
         f"{goals['projected_step_seconds_8x32k'] * 1e3:.0f} ms)",
+        f"  scale: 1 rank on {scale['threaded']['threads']} threads maps a step {scale['threaded']['speedup']:.2f}x as "
+        "fast as on one",
     ]
