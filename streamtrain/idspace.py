@@ -165,24 +165,99 @@ def _put_newest_first(array: np.ndarray, positions: np.ndarray, old: np.ndarray)
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _lowest_free(in_use: np.ndarray, starts: np.ndarray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each bucket's lowest free rows, up to as many as it ``wanted``, in bucket order, and how many
-    it found (all its free rows where that is fewer). A bucket's scan stops once it has enough, so
-    the work is in the rows it passes, not the table's."""
-    taken = np.empty(wanted.sum(), dtype=np.int64)
-    found = np.zeros(wanted.shape[0], dtype=np.int64)
-    at = 0
-    for bucket in range(wanted.shape[0]):
-        if wanted[bucket] == 0:
+def _give_rows(
+    local_buckets: np.ndarray,
+    starts: np.ndarray,
+    in_use: np.ndarray,
+    seen: np.ndarray,
+    counts: np.ndarray,
+    last_step: np.ndarray,
+    by_count: bool,
+    step: np.uint32,
+) -> tuple[np.ndarray, np.ndarray]:
+    """A row for each admitted id in ``local_buckets`` (in the ids' order), or -1 where its bucket
+    has none left, and the victims evicted for them. A bucket gives its lowest free rows first,
+    then victims among its rows in use and not ``seen`` this step, lowest eviction key first: an
+    lfu row's count (``by_count``) or an lru/ttl row's recency (``step`` - ``last_step``, modulo
+    2^32, oldest first), the row breaking ties, so every rank picks the same. A bucket's scan for
+    free rows stops once it has enough, and only a bucket short of them ranks its rows."""
+    buckets, capacity = starts.shape[0] - 1, max(in_use.shape[0], 1)
+    wanted = np.zeros(buckets, dtype=np.int64)
+    for bucket in local_buckets:
+        wanted[bucket] += 1
+    # each bucket's rows to give, free then victims, from its first admitted id's place on
+    firsts = np.zeros(buckets + 1, dtype=np.int64)
+    for bucket in range(buckets):
+        firsts[bucket + 1] = firsts[bucket] + wanted[bucket]
+    available = np.full(local_buckets.shape[0], -1, dtype=np.int64)
+    victims = np.empty(local_buckets.shape[0], dtype=np.int64)
+    evicted = 0
+    seen = np.sort(seen)  # a bucket's seen rows are then one run, read alongside its rows
+    for bucket in range(buckets):
+        want = wanted[bucket]
+        if want == 0:
             continue
+        at = firsts[bucket]
         for row in range(starts[bucket], starts[bucket + 1]):
             if not in_use[row]:
-                taken[at] = row
+                available[at] = row
                 at += 1
-                found[bucket] += 1
-                if found[bucket] == wanted[bucket]:
+                if at == firsts[bucket + 1]:
                     break
-    return taken[:at], found
+        short = firsts[bucket + 1] - at
+        if short == 0:
+            continue
+        keys = np.empty(starts[bucket + 1] - starts[bucket], dtype=np.int64)
+        candidates = 0
+        next_seen = np.searchsorted(seen, starts[bucket])
+        for row in range(starts[bucket], starts[bucket + 1]):
+            if next_seen < seen.shape[0] and seen[next_seen] == row:
+                next_seen += 1
+            elif in_use[row]:
+                rank = np.int64(counts[row]) if by_count else _MAX_AGE - np.int64(np.uint32(step - last_step[row]))
+                keys[candidates] = rank * capacity + row
+                candidates += 1
+        take = min(short, candidates)
+        if take == 0:
+            continue
+        lowest = (
+            np.sort(np.partition(keys[:candidates], take - 1)[:take])
+            if take < candidates
+            else np.sort(keys[:candidates])
+        )
+        for key in lowest:
+            available[at] = key % capacity
+            victims[evicted] = key % capacity
+            at += 1
+            evicted += 1
+    # each admitted id takes the next of its bucket's rows, in the ids' order
+    given = np.empty(local_buckets.shape[0], dtype=np.int64)
+    for i in range(local_buckets.shape[0]):
+        bucket = local_buckets[i]
+        given[i] = available[firsts[bucket]]
+        firsts[bucket] += 1
+    return given, victims[:evicted]
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _per_id(
+    rows: np.ndarray, admitted: np.ndarray, assigned: np.ndarray, start: int, unknown_row: int, inverse: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each of the step's ids' table row, and whether it is unknown or fresh, in the ids' order
+    (``inverse``, the positions of their distinct ids). A distinct id has its index row (``rows``,
+    -1 for none), or the row ``assigned`` to it (the ``admitted``), or none: then the unknown row."""
+    fresh = np.zeros(rows.shape[0], dtype=np.bool_)
+    for k in range(admitted.shape[0]):
+        rows[admitted[k]] = assigned[k]
+        fresh[admitted[k]] = True
+    n = inverse.shape[0]
+    table_rows, unknown, fresh_ids = np.empty(n, np.int64), np.empty(n, np.bool_), np.empty(n, np.bool_)
+    for i in range(n):
+        row = rows[inverse[i]]
+        unknown[i] = row < 0
+        table_rows[i] = unknown_row if row < 0 else row + start
+        fresh_ids[i] = fresh[inverse[i]]
+    return table_rows, unknown, fresh_ids
 
 
 def managed_tables(features: FeaturesConfig) -> list[TableConfig]:
@@ -279,6 +354,8 @@ def _uniform(hashed: np.ndarray) -> np.ndarray:
 
 _NO_CELLS = np.zeros((0, 0), dtype=np.int64)
 _NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_COUNTS = np.zeros(0, dtype=np.int32)
+_NO_STEPS = np.zeros(0, dtype=np.uint32)
 _NO_ID_TENSOR = torch.zeros(0, dtype=torch.int64)
 
 
@@ -389,9 +466,6 @@ class TableIds:
             raise ValueError(f"table {self.name}: an id reached a rank that does not own its bucket")
         return local
 
-    def _bucket_of_rows(self, rows: np.ndarray) -> np.ndarray:
-        return np.searchsorted(self.bucket_starts, rows, side="right") - 1
-
     # --- the update -----------------------------------------------------------------------
     def update(self, ids: torch.Tensor, step: int, now_ms: int, counts: torch.Tensor | None = None) -> TableStep:
         """Map ``ids`` (all ranks' ids of step ``step`` in the owned buckets, whose newest event is
@@ -416,19 +490,14 @@ class TableIds:
         admitted = admitted[np.argsort(unique[admitted])]
         given, victims = self._rows_for(local_buckets[admitted], seen, step)
         admitted, assigned = admitted[given >= 0], given[given >= 0]  # the rest found no row this step: unknown
-        rows[admitted] = assigned
-        unknown = rows < 0
-        fresh = np.zeros(unique.size, dtype=np.bool_)
-        fresh[admitted] = True
-        rows += self.start
-        rows[unknown] = self.unknown_row
+        rows_of_ids, unknown, fresh = _per_id(rows, admitted, assigned, self.start, self.unknown_row, inverse)
         evicted = Evictions(torch.from_numpy(victims + self.start), torch.from_numpy(self.arrays.ids[victims]))
         return TableStep(
             step=step,
             now_ms=now_ms,
-            rows=torch.from_numpy(rows[inverse]),
-            unknown=torch.from_numpy(unknown[inverse]),
-            fresh=torch.from_numpy(fresh[inverse]),
+            rows=torch.from_numpy(rows_of_ids),
+            unknown=torch.from_numpy(unknown),
+            fresh=torch.from_numpy(fresh),
             seen=seen,
             seen_counts=counts_seen[hit],
             evicted=evicted,
@@ -529,59 +598,23 @@ class TableIds:
 
     def _rows_for(self, local_buckets: np.ndarray, seen: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
         """A row (in the arrays) for each admitted id, of the id's bucket (``local_buckets``), or -1
-        where its bucket has none left: free ones first (lowest first), then the policy's victims
-        among the bucket's rows not ``seen`` this step, in the ids' order; and those victims."""
+        where its bucket has none left, and the victims evicted for them (``_give_rows``)."""
         if local_buckets.size == 0:
             return _NO_ROWS, _NO_ROWS
-        count = len(self.buckets)
-        wanted = np.bincount(local_buckets, minlength=count)
-        # each bucket's lowest free rows, as many as it wants (all it has, where that is fewer)
-        taken_free, free_counts = _lowest_free(self.arrays.in_use, self.bucket_starts, wanted)
-        taken_buckets = np.repeat(np.arange(count), free_counts)
-        sizes = np.diff(self.bucket_starts)
-        seen_counts = np.bincount(self._bucket_of_rows(seen), minlength=count)
-        short = np.maximum(np.minimum(wanted - free_counts, sizes - free_counts - seen_counts), 0)
-        victims = _NO_ROWS
-        needy = np.flatnonzero(short)
-        if needy.size:
-            seen = np.sort(seen)
-            seen_firsts = np.searchsorted(seen, self.bucket_starts)  # each bucket's run in seen
-            chosen = []
-            for bucket in needy.tolist():
-                first, end, want = (
-                    int(self.bucket_starts[bucket]),
-                    int(self.bucket_starts[bucket + 1]),
-                    int(short[bucket]),
-                )
-                key = self._victim_keys(first, end, step)
-                key[~self.arrays.in_use[first:end]] = _INT64_MAX
-                key[seen[seen_firsts[bucket] : seen_firsts[bucket + 1]] - first] = _INT64_MAX
-                picked = np.argpartition(key, want - 1)[:want]
-                chosen.append(picked[np.argsort(key[picked])] + first)
-            victims = np.concatenate(chosen)
-        # each bucket's rows to give, free then victims, and each admitted id's place in its bucket
-        available = np.concatenate((taken_free, victims))
-        available_buckets = np.concatenate((taken_buckets, np.repeat(needy, short[needy])))
-        order = np.argsort(available_buckets, kind="stable")
-        available = available[order]
-        available_counts = np.bincount(available_buckets, minlength=count)
-        by_bucket = np.argsort(local_buckets, kind="stable")
-        nth = np.empty(local_buckets.size, dtype=np.int64)
-        nth[by_bucket] = np.arange(local_buckets.size) - (np.cumsum(wanted) - wanted)[local_buckets[by_bucket]]
-        given = np.full(local_buckets.size, -1, dtype=np.int64)
-        has = nth < available_counts[local_buckets]
-        given[has] = available[(np.cumsum(available_counts) - available_counts)[local_buckets[has]] + nth[has]]
-        return given, victims
-
-    def _victim_keys(self, first: int, end: int, step: int) -> np.ndarray:
-        """The policy's eviction order of rows ``first`` to ``end``, lowest first: unique keys (the
-        row breaks ties), so every rank picks the same victims."""
-        if self.arrays.counts is not None:
-            rank = self.arrays.counts[first:end].astype(np.int64)
-        else:
-            assert self.arrays.last_step is not None
-            rank = _MAX_AGE - (np.uint32(step & _STEP_MASK) - self.arrays.last_step[first:end]).astype(np.int64)
-        return rank * max(self.capacity, 1) + np.arange(first, end)
+        counts, last_step = self.arrays.counts, self.arrays.last_step
+        by_count = counts is not None
+        if not by_count:
+            assert last_step is not None  # lru and ttl keep it
+        return _give_rows(
+            local_buckets,
+            self.bucket_starts,
+            self.arrays.in_use,
+            seen,
+            counts if counts is not None else _NO_COUNTS,
+            last_step if last_step is not None else _NO_STEPS,
+            by_count,
+            np.uint32(step & _STEP_MASK),
+        )
 
     def _interval(self, undo: Undo, step: int, now_ms: int) -> Evictions:
         arrays, eviction = self.arrays, self.eviction
