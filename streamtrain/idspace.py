@@ -54,9 +54,9 @@ rows, 18.7 beyond. ``min_count`` adds a uint16 sketch of two hash rows at least 
 (8 to 16 bytes per row, at least 1,024 cells a bucket). Per step, the step's distinct ids are found
 by hashing, in one numba pass, not by sorting: the map's result depends on no arrival order, since
 new ids take rows in the order of their ids. The lookup is one numba loop over the distinct ids, the
-waiting ids' sightings one more that counts them and reads their estimates, the rest vectorised
-numpy, and a victim search over the rows of each bucket that needs one (``argpartition``) only when
-it is full.
+waiting ids' sightings one more that counts them and reads their estimates, one more gives the
+admitted ids rows (each bucket's free rows, then, only in a full bucket, a partition of its rows by
+eviction key), and one writes each id's row and flags; the arrays' updates are vectorised numpy.
 """
 
 from __future__ import annotations
