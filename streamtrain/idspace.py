@@ -141,23 +141,6 @@ def _count_sightings(
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
-def _by_bucket(local_buckets: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
-    """The positions of ``local_buckets`` grouped by bucket, each group in its first order (a
-    counting sort), and where each bucket's group starts, with the end last."""
-    starts = np.zeros(count + 1, dtype=np.int64)
-    for bucket in local_buckets:
-        starts[bucket + 1] += 1
-    for bucket in range(count):
-        starts[bucket + 1] += starts[bucket]
-    order = np.empty(local_buckets.shape[0], dtype=np.int64)
-    filled = starts[:-1].copy()
-    for i in range(local_buckets.shape[0]):
-        order[filled[local_buckets[i]]] = i
-        filled[local_buckets[i]] += 1
-    return order, starts
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
 def _put_newest_first(array: np.ndarray, positions: np.ndarray, old: np.ndarray) -> None:
     """Write ``old`` back at ``positions``, last first: a position written twice ends as it began."""
     for i in range(positions.shape[0] - 1, -1, -1):
@@ -226,8 +209,7 @@ def _give_rows(
             else np.sort(keys[:candidates])
         )
         for key in lowest:
-            available[at] = key % capacity
-            victims[evicted] = key % capacity
+            available[at] = victims[evicted] = key % capacity
             at += 1
             evicted += 1
     # each admitted id takes the next of its bucket's rows, in the ids' order
@@ -569,7 +551,9 @@ class TableIds:
         """The positions of ``local_buckets`` in groups of whole buckets, about as ``cut`` cuts them.
         A bucket's sketch cells and total are its own, so threads that take whole buckets never
         write side by side, and each cell sees its sightings in the order one thread alone would."""
-        order, starts = _by_bucket(local_buckets, len(self.buckets))
+        # local buckets fit 16 bits (at most 65,536 buckets), which numpy's stable argsort radix-sorts
+        order = np.argsort(local_buckets.astype(np.uint16), kind="stable")
+        starts = np.concatenate(([0], np.cumsum(np.bincount(local_buckets, minlength=len(self.buckets)))))
         # each cut moved back to the start of the bucket it falls in
         bounds = starts[np.searchsorted(starts, [part.start for part in cut[1:]], side="right") - 1]
         edges = [0, *np.unique(bounds).tolist(), local_buckets.size]
