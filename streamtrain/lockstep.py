@@ -231,6 +231,7 @@ class SnapshotSchedule:
             next_offsets=dict(start_offsets),
             trained={p: base.trained.get(p, 0) for p in partitions},
             event_time_high_water_ms=base.event_time_high_water_ms,
+            positives={p: list(base.positives[p]) for p in partitions if p in base.positives},
         )
         self.requested = threading.Event()  # set from a signal handler
         self.last_commit = clock()
@@ -266,6 +267,10 @@ class SnapshotSchedule:
         if batch.size:
             newest = min(int(batch.event_time_ms.max()), self.config.features.event_time_bound_ms())
             state.event_time_high_water_ms = max(state.event_time_high_water_ms, newest)
+        if batch.samples is not None:
+            for partition, counts in batch.samples.positives.items():
+                held = state.positives.get(partition)
+                state.positives[partition] = (counts.ravel() + (held or 0)).tolist()
 
     def act(self, agreed: dict[str, bool]) -> None:
         """After a step: commit a finished snapshot, or start one, as every rank agreed. Raises
