@@ -6,10 +6,12 @@ the late share restored by partition, and the matured quality."""
 from __future__ import annotations
 
 import copy
+import io
 import json
 import math
 from pathlib import Path
 
+import fastavro
 import numpy as np
 import pytest
 import torch
@@ -473,3 +475,62 @@ def test_delayed_corrections_train_every_built_in_model_and_head(architecture, m
         assert served.shape == (batch.size, 2) and torch.isfinite(served).all()
     assert all(math.isfinite(value) for value in losses) and losses[-1] < losses[0]
     assert all(p.grad is not None for p in model.net.parameters())
+
+
+# --- the planted delayed stream ------------------------------------------------------------------
+
+
+def test_delayed_stream_is_written_as_a_joiner_writes_it_with_event_times_on_the_streams_clock():
+    from streamtrain.dev.delays import Delays, SampleEncoder, joined_events
+    from streamtrain.dev.drift import Drift, DriftingClickStream
+
+    delays = Delays(click_mean=200, buy_median=300, buy_sigma=1.0, click_window=600, buy_window=1500, stream_rate=50)
+    encoder = SampleEncoder(SAMPLE_SCHEMA)
+    stream = DriftingClickStream(3, T0, delays.stream_rate, Drift(users=300, ads=300, lifetime=2000))
+    messages = list(joined_events(stream, encoder, 3000, delays, seed=3))
+    reference = AvroEncoder(SAMPLE_SCHEMA)
+    decoder = _decoders(delayed_raw())[0]
+    events = [RawEvent(0, i, value, 0) for i, (_key, value, _truth) in enumerate(messages)]
+    batch = decoder.decode(events).batch
+    assert batch.size == len(messages)  # every message is a valid sample
+    samples = batch.samples
+    kind, ids = samples.kind.numpy(), samples.impression_id.numpy()
+    impressions = kind == ap.IMPRESSION
+    assert impressions.sum() == 3000 and (kind != ap.PLAIN).all()
+    first_seen: dict[int, int] = {}
+    for i, impression_id in enumerate(ids.tolist()):
+        first_seen.setdefault(impression_id, i)
+        assert messages[i][0] == b"%d" % impression_id  # keyed by impression id
+    assert all(impressions[first_seen[i]] for i in first_seen)  # an impression comes before its labels
+    labels = batch.labels.numpy()
+    assert (labels[impressions] == 0).all()  # emitted at once: nothing known yet
+    times = batch.event_time_ms.numpy()
+    # impression n is shown at T0 + n / rate seconds; a label's time is its arrival's
+    position = ids[impressions] - (3 << 40)
+    assert (times[impressions] == T0 + position * 1000 // 50).all()
+    late = kind == ap.LATE_LABEL
+    delay = samples.delay_ms.numpy()[late]
+    assert (delay >= 0).all() and np.nanmax(np.where(labels[late, 0] == 1, delay, np.nan)) <= 600 * 1000 / 50
+    assert samples.past_window.tolist() == [0, 0]  # the joiner dropped those
+    # the truth: an impression's final label is 1 exactly when its positive arrives within the window
+    truths = {int(i): t for (_k, _v, t), i in zip(messages, ids.tolist(), strict=True) if t is not None}
+    for task, column in (("clk", 0), ("buy", 1)):
+        arrived = set(ids[late][labels[late, column] == 1].tolist())
+        assert arrived <= {i for i, t in truths.items() if getattr(t, task) == 1}
+    clicked = sum(t.clk for t in truths.values())
+    assert 0.1 < clicked / 3000 < 0.5 and len(arrived) > 0
+    # the spliced bytes are fastavro's
+    for (_key, value, _truth), i in zip(messages[:300], range(300), strict=True):
+        record = fastavro.schemaless_reader(io.BytesIO(value), reference.schema)
+        record["event_time"] = int(times[i])
+        record["impression_time"] = int(times[i] - samples.delay_ms[i])
+        assert reference.encode(record) == value
+
+
+def test_delayed_produce_options_need_delays_and_valid_values(capsys):
+    from streamtrain.cli import main
+
+    assert main(["produce", "--window-click", "500"]) == 2
+    assert "--window-click: only the delayed stream takes these; add --delays" in capsys.readouterr().err
+    assert main(["produce", "--delays", "--stream-rate", "0"]) == 2
+    assert "delays: stream_rate must be above 0" in capsys.readouterr().err
