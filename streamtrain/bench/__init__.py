@@ -80,6 +80,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "streamtrain.bench.idspace",
         "hash-mod against the managed id mapping at the same memory on a drifting stream, beside a 40x reference",
     ),
+    "delayed": (
+        "streamtrain.bench.delayed",
+        "late labels under each correction against waiting the window and knowing them at once, holdout scored",
+    ),
 }
 
 

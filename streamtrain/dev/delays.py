@@ -90,6 +90,14 @@ class Impressions:
     clk_at: np.ndarray
     buy_at: np.ndarray
 
+    def part(self, mask: np.ndarray) -> Impressions:
+        """The impressions where ``mask`` holds."""
+        return Impressions(
+            [r for r, kept in zip(self.records, mask.tolist(), strict=True) if kept],
+            [k for k, kept in zip(self.keys, mask.tolist(), strict=True) if kept],
+            *(getattr(self, name)[mask] for name in ("ids", "position", "p_click", "p_buy", "clk_at", "buy_at")),
+        )
+
 
 def impressions(
     stream: ClickStream,
