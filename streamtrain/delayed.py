@@ -34,7 +34,7 @@ import math
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -63,7 +63,7 @@ def served_logits(logits: torch.Tensor, calibrated: Sequence[bool]) -> torch.Ten
     both call it, so the progressive metrics and a server see the same probabilities."""
     if not any(calibrated):
         return logits
-    columns = logits.reshape(logits.shape[0], -1)
+    columns = logits.reshape(logits.shape[0], len(calibrated))  # an empty batch's too
     served = [fnc_logits(columns[:, t]) if fnc else columns[:, t] for t, fnc in enumerate(calibrated)]
     return torch.stack(served, dim=1).reshape(logits.shape)
 
@@ -88,7 +88,7 @@ class Corrections(nn.Module):
         """(positive weight, negative weight), each shaped as ``logits``: what a sample's positive and
         negative parts of the cross-entropy are multiplied by. 1 for plain events and tasks weighted by
         neither fnw nor es_dfm; ``late_share`` [tasks] is es_dfm's s (None: 1)."""
-        z = logits.detach().reshape(logits.shape[0], -1)
+        z = logits.detach().reshape(logits.shape[0], len(self.calibrated))  # an empty batch's too
         p = torch.sigmoid(z)
         delayed_positive = p if late_share is None else p * torch.where(self.estimated, late_share, 1.0)
         positive = 1 + delayed_positive
@@ -147,9 +147,10 @@ class LateShare:
 
 @dataclass
 class _Waiting:
-    """Samples waiting for their windows to close: chunks in arrival order, oldest first."""
+    """One partition's samples waiting for their windows to close: chunks in arrival order, which is
+    the order of their impressions' times (the joiner emits a partition's samples in time order)."""
 
-    chunks: deque[dict[str, np.ndarray]]
+    chunks: deque[dict[str, np.ndarray]] = field(default_factory=deque)
     size: int = 0
 
     def add(self, chunk: dict[str, np.ndarray]) -> None:
@@ -157,13 +158,19 @@ class _Waiting:
             self.chunks.append(chunk)
             self.size += len(chunk["id"])
 
-    def closed(self, open_after: np.ndarray, window_ms: float) -> dict[str, np.ndarray]:
-        """Takes out the samples whose window has closed (impression time + window at or before
-        ``open_after`` of their partition), from the oldest chunks until one has none."""
+    def ids(self) -> np.ndarray:
+        return np.concatenate([c["id"] for c in self.chunks]) if self.chunks else np.zeros(0, np.int64)
+
+    def oldest(self) -> float:
+        return float(self.chunks[0]["time"][0]) if self.chunks else math.inf
+
+    def closed(self, newest_ms: int, window_ms: float) -> dict[str, np.ndarray]:
+        """Takes out the samples whose window has closed (impression time + window at or before the
+        partition's ``newest_ms``), from the oldest chunks until one has none."""
         taken: list[dict[str, np.ndarray]] = []
         while self.chunks:
             chunk = self.chunks[0]
-            closed = chunk["time"] + window_ms <= open_after[chunk["partition"]]
+            closed = chunk["time"] + window_ms <= newest_ms
             if not closed.any():
                 break
             self.chunks.popleft()
@@ -175,17 +182,24 @@ class _Waiting:
             return {}
         return {k: np.concatenate([c[k] for c in taken]) for k in taken[0]}
 
-    def drop_beyond(self, bound: int) -> int:
-        """Drops the oldest samples past ``bound``; how many."""
-        dropped = 0
-        while self.size > bound:
-            chunk = self.chunks.popleft()
-            excess = min(self.size - bound, len(chunk["id"]))
-            if excess < len(chunk["id"]):
-                self.chunks.appendleft({k: v[excess:] for k, v in chunk.items()})
-            self.size -= excess
-            dropped += excess
+    def drop_oldest(self, count: int) -> int:
+        """Drops up to ``count`` of the oldest samples; how many."""
+        chunk = self.chunks.popleft()
+        dropped = min(count, len(chunk["id"]))
+        if dropped < len(chunk["id"]):
+            self.chunks.appendleft({k: v[dropped:] for k, v in chunk.items()})
+        self.size -= dropped
         return dropped
+
+
+def _drop_beyond(waiting: dict[int, _Waiting], bound: int) -> int:
+    """Drops the oldest samples over all partitions past ``bound``; how many."""
+    dropped, total = 0, sum(w.size for w in waiting.values())
+    while total > bound:
+        oldest = min(waiting.values(), key=_Waiting.oldest)
+        gone = oldest.drop_oldest(total - bound)
+        dropped, total = dropped + gone, total - gone
+    return dropped
 
 
 class MaturedQuality:
@@ -195,20 +209,23 @@ class MaturedQuality:
 
     A window closes when the newest event time read from the impression's partition is past the
     impression's time plus the window: a partition read late (a backlog) holds its impressions open
-    until its own late labels have been read. Memory is bounded: at most ``max_pending`` impressions
-    and as many late positives wait per task, the oldest dropped past it (and counted); samples
-    whose window closes leave at once. ``add`` (the training thread) only keeps the arrays; they are
-    folded in when the figures are read (``compute``). A restart forgets what was waiting."""
+    until its own late labels have been read. Samples wait per partition, where they arrive in time
+    order and where an impression's late labels come (the key is its id). Memory is bounded: at most
+    ``max_pending`` impressions and as many late positives wait per task, the oldest dropped past it
+    (and counted); samples whose window closes leave at once. ``add`` (the training thread) only
+    keeps the arrays; they are folded in when the figures are read (``compute``). A restart forgets
+    what was waiting."""
 
     def __init__(self, tasks: Sequence[TaskConfig], window: int, max_pending: int, metrics: LateLabelMetrics):
         self.names = [t.name for t in tasks]
         self.windows_ms = [float(t.attribution_window_seconds or math.inf) * 1000 for t in tasks]
         self.quality = {name: ProgressiveQuality(window) for name in self.names}
-        self.impressions = {name: _Waiting(deque()) for name in self.names}
-        self.positives = {name: _Waiting(deque()) for name in self.names}
+        # task -> partition -> what waits there
+        self.impressions: dict[str, dict[int, _Waiting]] = {name: {} for name in self.names}
+        self.positives: dict[str, dict[int, _Waiting]] = {name: {} for name in self.names}
+        self.newest_ms: dict[int, int] = {}  # per partition
         self.max_pending = max_pending
         self.metrics = metrics
-        self.newest_ms = np.full(1, np.iinfo(np.int64).min, np.int64)  # per partition
         self._added: list[tuple[np.ndarray, ClickBatch]] = []
         self._lock = threading.Lock()
 
@@ -218,61 +235,63 @@ class MaturedQuality:
             with self._lock:
                 self._added.append((logits, batch))
 
+    def waiting(self, task: str) -> int:
+        """Impressions of ``task`` waiting for their window to close."""
+        return sum(w.size for w in self.impressions[task].values())
+
     def compute(self) -> dict[str, dict[str, dict[str, float]]]:
         """task -> window -> figure, as ``ProgressiveQuality.compute`` gives them."""
         with self._lock:
             added, self._added = self._added, []
         for logits, batch in added:
-            self._fold(logits.reshape(batch.size, -1), batch)
+            self._fold(logits.reshape(batch.size, len(self.names)), batch)
         for t, name in enumerate(self.names):
             self._mature(t, name)
-            waiting = self.impressions[name]
-            dropped = waiting.drop_beyond(self.max_pending) + self.positives[name].drop_beyond(self.max_pending)
+            dropped = _drop_beyond(self.impressions[name], self.max_pending)
+            dropped += _drop_beyond(self.positives[name], self.max_pending)
             if dropped:
                 self.metrics.matured_dropped.labels(name).inc(dropped)
-            self.metrics.matured_waiting.labels(name).set(waiting.size)
+            self.metrics.matured_waiting.labels(name).set(self.waiting(name))
         return {name: quality.compute() for name, quality in self.quality.items()}
 
     def _fold(self, logits: np.ndarray, batch: ClickBatch) -> None:
         samples = batch.samples
         assert samples is not None
-        labels = batch.labels.numpy().reshape(batch.size, -1)
+        labels = batch.labels.numpy().reshape(batch.size, len(self.names))
         kind = samples.kind.numpy()
         times = batch.event_time_ms.numpy()
-        partition = samples.partition
-        if partition.size and partition.max() >= len(self.newest_ms):
-            grown = np.full(int(partition.max()) + 1, np.iinfo(np.int64).min, np.int64)
-            grown[: len(self.newest_ms)] = self.newest_ms
-            self.newest_ms = grown
-        np.maximum.at(self.newest_ms, partition, times)
         impression_time = times - samples.delay_ms.numpy()
         ids = samples.impression_id.numpy()
         plain, impression, late = kind == ap.PLAIN, kind == ap.IMPRESSION, kind == ap.LATE_LABEL
         for t, name in enumerate(self.names):
-            task_labels = labels[:, t]
-            known = ~np.isnan(task_labels)
             if plain.any():  # final already
-                self.quality[name].add(logits[plain, t], task_labels[plain])
-            mine = impression & known
-            self.impressions[name].add(
-                {"id": ids[mine], "time": impression_time[mine], "partition": partition[mine],
-                 "logit": logits[mine, t], "label": task_labels[mine]}
-            )  # fmt: skip
-            arrived = late & (task_labels == 1.0)
-            self.positives[name].add(
-                {"id": ids[arrived], "time": impression_time[arrived], "partition": partition[arrived]}
-            )
+                self.quality[name].add(logits[plain, t], labels[plain, t])
+        for partition in np.unique(samples.partition).tolist():
+            here = samples.partition == partition
+            self.newest_ms[partition] = max(self.newest_ms.get(partition, -(2**63)), int(times[here].max()))
+            for t, name in enumerate(self.names):
+                mine = here & impression & ~np.isnan(labels[:, t])
+                self.impressions[name].setdefault(partition, _Waiting()).add(
+                    {"id": ids[mine], "time": impression_time[mine], "logit": logits[mine, t], "label": labels[mine, t]}
+                )
+                arrived = here & late & (labels[:, t] == 1.0)
+                self.positives[name].setdefault(partition, _Waiting()).add(
+                    {"id": ids[arrived], "time": impression_time[arrived]}
+                )
 
     def _mature(self, t: int, name: str) -> None:
         window = self.windows_ms[t]
-        closed = self.impressions[name].closed(self.newest_ms, window)
-        if closed:
-            arrived = [chunk["id"] for chunk in self.positives[name].chunks]
-            labels = closed["label"]
-            if arrived:
-                labels = np.where(np.isin(closed["id"], np.concatenate(arrived)), 1.0, labels)
-            self.quality[name].add(closed["logit"], labels)
-        self.positives[name].closed(self.newest_ms, window)  # their impressions matured by now, or never came
+        for partition, waiting in self.impressions[name].items():
+            newest = self.newest_ms[partition]
+            closed = waiting.closed(newest, window)
+            positives = self.positives[name].get(partition)
+            if closed:
+                labels = closed["label"]
+                if positives is not None and positives.size:
+                    labels = np.where(np.isin(closed["id"], positives.ids()), 1.0, labels)
+                self.quality[name].add(closed["logit"], labels)
+            if positives is not None:  # their impressions matured by now, or never came
+                positives.closed(newest, window)
 
 
 class LateLabelWatch:
