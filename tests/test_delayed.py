@@ -289,6 +289,9 @@ def test_delayed_fnw_weighs_positives_by_one_plus_p_and_negatives_by_one_minus_p
     fnw = task_losses(z, torch.tensor([[1.0, 0.0], [0.0, 0.0]]), corrections.weights(z, kind[:2], None))
     assert fnw[0, 0].item() == pytest.approx(1.75 * math.log(4 / 3), rel=1e-6)
     assert fnw[1, 0].item() == pytest.approx(0.25 * 1.75 * math.log(4), rel=1e-6)
+    # a rank's empty batch (the lockstep's filler) is weighed too
+    assert [w.shape for w in corrections.weights(torch.zeros(0, 2), kind[:0], torch.ones(2))] == [(0, 2), (0, 2)]
+    assert served_logits(torch.zeros(0), (True,)).shape == (0,)
 
 
 def test_delayed_es_dfm_weighs_by_the_delayed_positive_probability_p_times_the_late_share():
@@ -422,7 +425,28 @@ def test_delayed_matured_quality_joins_late_positives_once_each_partitions_windo
     assert figures["clk"]["window"]["auc"] == pytest.approx(roc_auc(scores, labels))
     assert matured.quality["clk"].held == 5 and matured.quality["buy"].held == 1  # buy's 600 s are open
     assert metrics.registry.get_sample_value("streamtrain_matured_waiting", {"task": "clk"}) == 2  # 9 and 10
-    assert sum(c["id"].size for c in matured.positives["clk"].chunks) == 0  # its impression matured
+    assert matured.positives["clk"][0].size == 0  # its impression matured
+
+
+def test_delayed_matured_quality_closes_each_partitions_windows_apart_in_a_backlog():
+    """A backlog is read a partition at a time: partition 1's newest impressions, still open, arrive
+    before partition 0's oldest, whose window has closed."""
+    from streamtrain.delayed import MaturedQuality
+    from streamtrain.metrics import WorkerMetrics
+
+    config = parse_config(delayed_raw(), environ={})
+    decoder = _decoders(delayed_raw())[0]
+    metrics = WorkerMetrics(100, ["clk", "buy"])
+    matured = MaturedQuality(config.tasks(), window=100, max_pending=1000, metrics=metrics.late)
+    late = T0 + 200_000
+    newer = [impression(i, event_time=late, impression_time=late) for i in (5, 6)]
+    older = [impression(1, clk=1), impression(2), late_label(2, "clk", 50), record(event_time=T0 + 100_000)]
+    for records, partition in ((newer, 1), (older, 0)):
+        events = [RawEvent(partition, i, AvroEncoder(SAMPLE_SCHEMA).encode(r), 0) for i, r in enumerate(records)]
+        matured.add(np.zeros((len(records), 2), np.float32), decoder.decode(events).batch)
+    matured.compute()
+    assert matured.waiting("clk") == 2  # 5 and 6; 1 and 2 matured, 2 with its late positive
+    assert matured.quality["clk"].labels[-1].tolist() == [1.0, 1.0]  # after the plain event's 0
 
 
 def test_delayed_matured_quality_holds_at_most_max_pending_and_counts_what_it_drops():
@@ -439,7 +463,7 @@ def test_delayed_matured_quality_holds_at_most_max_pending_and_counts_what_it_dr
     for task in ("clk", "buy"):
         assert metrics.registry.get_sample_value("streamtrain_matured_waiting", {"task": task}) == 3
         assert metrics.registry.get_sample_value("streamtrain_matured_dropped_total", {"task": task}) == 2
-    assert [c["id"].tolist() for c in matured.impressions["clk"].chunks] == [[2, 3, 4]]  # the oldest went
+    assert [c["id"].tolist() for c in matured.impressions["clk"][0].chunks] == [[2, 3, 4]]  # the oldest went
 
 
 # --- every built-in model and head ---------------------------------------------------------------
@@ -534,3 +558,122 @@ def test_delayed_produce_options_need_delays_and_valid_values(capsys):
     assert "--window-click: only the delayed stream takes these; add --delays" in capsys.readouterr().err
     assert main(["produce", "--delays", "--stream-rate", "0"]) == 2
     assert "delays: stream_rate must be above 0" in capsys.readouterr().err
+
+
+# --- on the real broker ----------------------------------------------------------------------------
+
+DELAYED_CONFIG = REPO / "tests" / "worker-delayed.yaml"
+# At 100 events a second, clk's window of 1,000 events is the config's 10 s, buy's 2,000 its 20 s.
+SMALL_DELAYS = {"click_mean": 200, "buy_median": 300, "click_window": 1_000, "buy_window": 2_000, "stream_rate": 100}
+
+
+def _late_labels_per_task(impressions: int, seed: int) -> dict[str, int]:
+    """The label samples of each task that ``produce`` writes for these impressions (it is deterministic)."""
+    from streamtrain.dev.delays import Delays, SampleEncoder, joined_events
+    from streamtrain.dev.produce import ClickStream
+
+    delays = Delays(**SMALL_DELAYS)
+    counts = {"clk": 0, "buy": 0}
+    decoder = _decoders(delayed_raw())[0]
+    values = [value for _k, value, truth in joined_events(
+        ClickStream(seed, T0, delays.stream_rate), SampleEncoder(SAMPLE_SCHEMA), impressions, delays, seed
+    ) if truth is None]  # fmt: skip
+    labels = decoder.decode([RawEvent(0, i, v, 0) for i, v in enumerate(values)]).batch.labels.numpy()
+    counts = {task: int((labels[:, t] == 1).sum()) for t, task in enumerate(("clk", "buy"))}
+    return counts
+
+
+@pytest.mark.integration
+def test_delayed_two_ranks_with_corrections_restore_exactly_once_after_a_sigkill(
+    kafka, topic_name, start_ranks, tmp_path
+):
+    import signal
+
+    from conftest import end_offsets
+    from streamtrain.checkpoint import list_snapshots
+    from streamtrain.dev.delays import Delays
+    from streamtrain.dev.produce import produce
+
+    root = tmp_path / "snapshots"
+    env = {
+        "STREAMTRAIN_CHECKPOINT__PATH": str(root),
+        "STREAMTRAIN_CHECKPOINT__INTERVAL_STEPS": "3",
+        "STREAMTRAIN_BATCHING__BATCH_SIZE": "64",
+    }
+    report = produce(
+        kafka.bootstrap_servers,
+        topic_name,
+        2000,
+        partitions=4,
+        seed=46,
+        schema_path=SAMPLE_SCHEMA,
+        delays=Delays(**SMALL_DELAYS),
+    )
+    assert report.late_labels > 0
+    ranks = start_ranks(topic_name, 2, env=env, config=DELAYED_CONFIG)
+    ranks[0].wait_for(
+        lambda: any(s.complete and s.step >= 3 for s in list_snapshots(str(root))), 180, "a snapshot past step 0"
+    )
+    for rank in ranks:
+        rank.signal(signal.SIGKILL)
+    assert all(r.wait(timeout=60) != 0 for r in ranks)
+
+    again = start_ranks(topic_name, 2, "--until-end", env=env, config=DELAYED_CONFIG)
+    assert [r.wait(timeout=180) for r in again] == [0, 0], again[0].output()[-3000:]
+    assert "restored " in again[0].output()
+    stream = list_snapshots(str(root))[0].metadata["stream"]
+    produced = end_offsets(kafka, topic_name)
+    assert {int(p): n for p, n in stream["trained"].items()} == produced
+    assert {int(p): o for p, o in stream["next_offsets"].items()} == produced
+    # the late share's counts, per partition in the snapshot, hold each late positive once: none
+    # counted twice by the replay after the kill, none lost
+    counts = np.sum(list(stream["positives"].values()), axis=0).reshape(2, 2)
+    assert counts[0].tolist() == [0, 0]  # the joiner knew no positive at emission
+    expected = _late_labels_per_task(2000, 46)
+    assert counts[1].tolist() == [expected["clk"], expected["buy"]]
+
+
+IMPRESSIONS = 16_000  # about 80 steps of 256: enough for clk to learn something
+
+
+@pytest.mark.integration
+def test_delayed_worker_reports_matured_quality_beside_the_provisional_on_a_small_real_stream(
+    kafka, topic_name, start_worker
+):
+    from streamtrain.dev.delays import Delays
+    from streamtrain.dev.produce import produce
+
+    report = produce(
+        kafka.bootstrap_servers,
+        topic_name,
+        IMPRESSIONS,
+        partitions=4,
+        seed=47,
+        schema_path=SAMPLE_SCHEMA,
+        delays=Delays(**SMALL_DELAYS),
+    )
+    worker = start_worker(topic_name, config=DELAYED_CONFIG)
+    trained = lambda: worker.total("streamtrain_events_trained_total")  # noqa: E731
+    worker.wait_for(lambda: trained() >= report.produced, timeout=180, what="the stream trained")
+    expected = _late_labels_per_task(IMPRESSIONS, 47)
+
+    def matured() -> dict[str, float] | None:
+        samples = worker.scrape()
+        key = 'streamtrain_progressive_auc{maturity="matured",task="%s",window="window"}'
+        return samples if all(key % task in samples for task in ("clk", "buy")) else None
+
+    samples = worker.wait_for(matured, timeout=30, what="matured figures")
+    for task in ("clk", "buy"):
+        labels = {"maturity": "matured", "task": task, "window": "window"}
+        provisional = {**labels, "maturity": "provisional"}
+        key = "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
+        provisional_key = "{" + ",".join(f'{k}="{v}"' for k, v in sorted(provisional.items())) + "}"
+        # a few thousand events teach clk something; buy's hundred or so positives hardly anything yet
+        assert samples["streamtrain_progressive_auc" + key] > (0.55 if task == "clk" else 0), (task, samples)
+        assert samples["streamtrain_progressive_calibration" + provisional_key] > 0
+        trained_key = f'streamtrain_late_labels_total{{outcome="trained",task="{task}"}}'
+        assert samples[trained_key] == expected[task]
+        assert samples[f'streamtrain_late_label_delay_seconds_count{{task="{task}"}}'] == expected[task]
+        assert samples[f'streamtrain_late_positive_share{{task="{task}"}}'] == 1.0  # every label came late
+        # the newest 10 s (clk) and 20 s (buy) of each partition are still open
+        assert 0 < samples[f'streamtrain_matured_waiting{{task="{task}"}}'] < IMPRESSIONS
