@@ -213,6 +213,7 @@ _DELAY_OPTIONS = {
     "click_window": "--window-click",
     "buy_window": "--window-buy",
     "stream_rate": "--stream-rate",
+    "wait": "--delay-wait",
 }
 
 
@@ -574,6 +575,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         metavar="EVENTS",
         help="purchases later than this are none (default 400,000)",
+    )
+    delays.add_argument(
+        "--delay-wait",
+        dest="wait",
+        type=float,
+        metavar="EVENTS",
+        help="how long the joiner holds each impression before it emits it with the labels known by then "
+        "(default 0: at once)",
     )
     delays.add_argument(
         "--stream-rate",

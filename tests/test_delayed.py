@@ -677,3 +677,34 @@ def test_delayed_worker_reports_matured_quality_beside_the_provisional_on_a_smal
         assert samples[f'streamtrain_late_positive_share{{task="{task}"}}'] == 1.0  # every label came late
         # the newest 10 s (clk) and 20 s (buy) of each partition are still open
         assert 0 < samples[f'streamtrain_matured_waiting{{task="{task}"}}'] < IMPRESSIONS
+
+
+def test_delayed_stream_with_a_joiner_that_waits_carries_the_early_positives_on_the_impression():
+    """ES-DFM's elapsed time: the joiner holds each impression W events; positives known by then come
+    on it, later ones as label samples, and the late share the worker estimates is their share."""
+    from streamtrain.dev.delays import Delays, SampleEncoder, joined_events
+    from streamtrain.dev.produce import ClickStream
+
+    delays = Delays(click_mean=200, buy_median=300, click_window=1_000, buy_window=2_000, stream_rate=100, wait=100)
+    messages = list(joined_events(ClickStream(5, T0, 100), SampleEncoder(SAMPLE_SCHEMA), 4000, delays, seed=5))
+    batch = _decoders(delayed_raw())[0].decode([RawEvent(0, i, v, 0) for i, (_k, v, _t) in enumerate(messages)]).batch
+    kind, labels = batch.samples.kind.numpy(), batch.labels.numpy()
+    impressions = kind == ap.IMPRESSION
+    known = impressions & (labels[:, 0] == 1)
+    late = (kind == ap.LATE_LABEL) & (labels[:, 0] == 1)
+    assert known.any() and late.any()
+    assert (batch.samples.delay_ms.numpy()[late] > 100 * 1000 / 100).all()  # past the wait
+    # an impression comes out W events after it was shown: its event time is W / rate seconds old then
+    positions = (batch.samples.impression_id.numpy() - (5 << 40))[impressions]
+    assert (np.diff(positions) > 0).all() and impressions.sum() < 4000  # the last W still held
+    share = LateShare(2)
+    share.attach(batch)
+    click_share = share.share()[0]
+    # an exponential delay of mean 200 events is past a wait of 100 with probability e^-1/2, within the window
+    expected = (math.exp(-0.5) - math.exp(-5)) / (1 - math.exp(-5))
+    assert click_share == pytest.approx(expected, abs=0.05)
+    with_share = _corrections("es_dfm", "none").weights(
+        torch.zeros(1, 2), torch.tensor([1], dtype=torch.int8), torch.tensor([click_share, 1.0])
+    )
+    fnw = _corrections("fnw", "none").weights(torch.zeros(1, 2), torch.tensor([1], dtype=torch.int8), None)
+    assert with_share[0][0, 0] < fnw[0][0, 0]  # es_dfm weighs a positive less than fnw when some come at once

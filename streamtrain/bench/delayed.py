@@ -84,6 +84,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     stream.add_argument("--click-window", type=float, default=100_000, help="clk's window, events (default 100,000)")
     stream.add_argument("--buy-window", type=float, default=250_000, help="buy's window, events (default 250,000)")
     stream.add_argument("--stream-rate", type=float, default=100.0, help="events a second of stream time (default 100)")
+    stream.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        help="events the joiner holds each impression, emitting it with the positives known by then (ES-DFM's "
+        "elapsed time; default 0: at once, as the reference joiner)",
+    )
 
 
 def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
@@ -95,7 +102,13 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     else:
         drift = Drift(users=args.users, ads=args.ads, lifetime=args.lifetime, id_effect=args.id_effect)
         delays = Delays(
-            args.click_mean, args.buy_median, args.buy_sigma, args.click_window, args.buy_window, args.stream_rate
+            args.click_mean,
+            args.buy_median,
+            args.buy_sigma,
+            args.click_window,
+            args.buy_window,
+            args.stream_rate,
+            args.wait,
         )
         sizes = Sizes(args.impressions, args.holdout, args.segments, drift, delays)
     return bench_delayed(args.config, sizes, args.seed, progress)
@@ -189,7 +202,7 @@ def plant(sizes: Sizes, seed: int, encoder: SampleEncoder) -> _Planted:
             if trained.any():
                 yield chunk.part(trained)
 
-    for sample in joined_samples(training(), stream.start_time_ms, delays.stream_rate):
+    for sample in joined_samples(training(), stream.start_time_ms, delays.stream_rate, delays.wait):
         planted.joined.append((sample.position, encoder.encode(sample.record)))
         planted.late_labels += sample.record["sample_kind"] == "label"
     planted.window.sort(key=lambda message: message[0])
@@ -287,7 +300,7 @@ def bench_delayed(config_path: Path, sizes: Sizes, seed: int, progress: Callable
             "drift": {k: getattr(sizes.drift, k) for k in ("users", "ads", "lifetime", "id_effect")},
             "delays_events": {
                 k: getattr(sizes.delays, k)
-                for k in ("click_mean", "buy_median", "buy_sigma", "click_window", "buy_window")
+                for k in ("click_mean", "buy_median", "buy_sigma", "click_window", "buy_window", "wait")
             },
             "stream_rate": sizes.delays.stream_rate,
             "windows_seconds": sizes.delays.window_seconds(),

@@ -17,7 +17,10 @@ set to (``Delays.window_seconds``).
 ``joined_samples`` is the joiner's output: every impression at once (``sample_kind`` impression,
 its labels 0: none is known yet), and each positive as a ``label`` sample when it arrives, a copy
 of the impression's features with that task's label 1 and the other's null, its event time the
-arrival's. The key is the impression id, so an impression and its labels share a partition.
+arrival's. The key is the impression id, so an impression and its labels share a partition. With
+``wait`` (ES-DFM's elapsed time) the joiner holds each impression that many events and emits it
+with the positives that arrived meanwhile, 1 on it; only later ones come as label samples. Its
+event time stays the impression's.
 """
 
 from __future__ import annotations
@@ -52,11 +55,16 @@ class Delays:
     click_window: float = 100_000
     buy_window: float = 400_000
     stream_rate: float = 100.0  # events a second of stream time
+    # How long the joiner holds each impression before it emits it, with the labels that arrived
+    # meanwhile (ES-DFM's elapsed time); 0: at once, no label known.
+    wait: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("click_mean", "buy_median", "buy_sigma", "click_window", "buy_window", "stream_rate"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"delays: {name} must be above 0, got {getattr(self, name)}")
+        if not 0 <= self.wait < min(self.click_window, self.buy_window):
+            raise ValueError(f"delays: wait must be at least 0 and below both windows, got {self.wait}")
 
     def windows(self) -> dict[str, float]:
         """Each task's attribution window, in events."""
@@ -89,13 +97,17 @@ class Impressions:
     p_buy: np.ndarray  # given a click
     clk_at: np.ndarray
     buy_at: np.ndarray
+    known: np.ndarray  # [n, 2] bool: each task's positive known when the impression is emitted (within the wait)
 
     def part(self, mask: np.ndarray) -> Impressions:
         """The impressions where ``mask`` holds."""
         return Impressions(
             [r for r, kept in zip(self.records, mask.tolist(), strict=True) if kept],
             [k for k, kept in zip(self.keys, mask.tolist(), strict=True) if kept],
-            *(getattr(self, name)[mask] for name in ("ids", "position", "p_click", "p_buy", "clk_at", "buy_at")),
+            *(
+                getattr(self, name)[mask]
+                for name in ("ids", "position", "p_click", "p_buy", "clk_at", "buy_at", "known")
+            ),
         )
 
 
@@ -120,10 +132,11 @@ def impressions(
         take = min(chunk_size, count - done)
         records = chunk.records[:take]
         position = done + np.arange(take, dtype=np.int64)
-        arrivals = {}
+        arrivals, known = {}, {}
         for task, delay in (("clk", click_delay[:take]), ("buy", buy_delay[:take])):
             positive = np.array([r[task] for r in records], bool) & (delay <= windows[task])
-            arrivals[task] = np.where(positive, position + delay, np.inf)
+            known[task] = positive & (delay <= delays.wait)
+            arrivals[task] = np.where(positive & ~known[task], position + delay, np.inf)
             for record, final in zip(records, positive.tolist(), strict=True):
                 record[task] = int(final)
         if encoder is not None:
@@ -139,6 +152,7 @@ def impressions(
             chunk.buy_probability[:take],
             arrivals["clk"],
             arrivals["buy"],
+            np.stack([known["clk"], known["buy"]], axis=1),
         )
         done += take
 
@@ -152,30 +166,40 @@ class Sample:
     position: float
 
 
-def joined_samples(chunks: Iterator[Impressions], start_time_ms: int, stream_rate: float) -> Iterator[Sample]:
-    """The joiner's output over ``chunks``, in emission order: each impression at its position, each
-    late label at its arrival's (labels due after the last impression are not emitted: they are
-    still to come)."""
-    due: list[tuple[float, int, str, bytes, dict, int]] = []  # arrival, order, task, key, record, id
-    order = 0
+def joined_samples(
+    chunks: Iterator[Impressions], start_time_ms: int, stream_rate: float, wait: float = 0.0
+) -> Iterator[Sample]:
+    """The joiner's output over ``chunks``, in emission order: each impression ``wait`` events after
+    its position, with the labels known by then, each later label at its arrival's (what is due
+    after the last impression is not emitted: it is still to come)."""
+    due: list[tuple[float, int, Sample]] = []  # position, order, sample
+    order, position = 0, 0
     for chunk in chunks:
         for i, record in enumerate(chunk.records):
             position = int(chunk.position[i])
             while due and due[0][0] <= position:
-                yield _late_label(*heapq.heappop(due), start_time_ms, stream_rate)
-            impression_id = int(chunk.ids[i])
-            yield Sample(chunk.keys[i], impression_sample(record, impression_id), position)
+                yield heapq.heappop(due)[2]
+            impression_id, key = int(chunk.ids[i]), chunk.keys[i]
+            known = {task: int(chunk.known[i, t]) for t, task in enumerate(TASKS)}
+            samples = [Sample(key, impression_sample(record, impression_id, known), position + wait)]
             for task, arrival in (("clk", chunk.clk_at[i]), ("buy", chunk.buy_at[i])):
                 if arrival != np.inf:
-                    heapq.heappush(due, (float(arrival), order, task, chunk.keys[i], record, impression_id))
-                    order += 1
+                    samples.append(
+                        _late_label(float(arrival), task, key, record, impression_id, start_time_ms, stream_rate)
+                    )
+            for sample in samples:
+                heapq.heappush(due, (sample.position, order, sample))
+                order += 1
+    while due and due[0][0] <= position:
+        yield heapq.heappop(due)[2]
 
 
-def impression_sample(record: dict, impression_id: int) -> dict:
-    """The impression as the joiner emits it at once: no label known yet."""
+def impression_sample(record: dict, impression_id: int, known: dict[str, int] | None = None) -> dict:
+    """The impression as the joiner emits it: each label as known then (``known``; none: 0)."""
     return {
         **record,
         **dict.fromkeys(TASKS, 0),
+        **(known or {}),
         "sample_kind": "impression",
         "impression_id": impression_id,
         "impression_time": record["event_time"],
@@ -183,7 +207,7 @@ def impression_sample(record: dict, impression_id: int) -> dict:
 
 
 def _late_label(
-    arrival: float, _order: int, task: str, key: bytes, record: dict, impression_id: int, start_ms: int, rate: float
+    arrival: float, task: str, key: bytes, record: dict, impression_id: int, start_ms: int, rate: float
 ) -> Sample:
     label = {
         **record,
@@ -212,7 +236,7 @@ def joined_events(
                 )
             yield chunk
 
-    for sample in joined_samples(chunks(), stream.start_time_ms, delays.stream_rate):
+    for sample in joined_samples(chunks(), stream.start_time_ms, delays.stream_rate, delays.wait):
         truth = truths.pop(sample.record["impression_id"]) if sample.record["sample_kind"] == "impression" else None
         yield sample.key, encoder.encode(sample.record), truth
 
