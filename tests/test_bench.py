@@ -508,7 +508,8 @@ def test_delayed_benchmark_trains_every_leg_on_one_stream_and_scores_each_tasks_
         assert saved["goals"][task]["best_correction"] in ("fnw", "fnc", "es_dfm")
         # with every label late (the reference joiner), es_dfm's share is 1: it is fnw
         assert saved["tasks"][task]["es_dfm"] == saved["tasks"][task]["fnw"]
-    assert saved["stream"]["late_labels"] > 0 and saved["stream"]["samples"] == 8_000 + saved["stream"]["late_labels"]
+    assert saved["stream"]["late_labels"] > 0 and saved["stream"]["samples"] == 6_000 + saved["stream"]["late_labels"]
+    assert saved["evaluated_after"] == [4_000, 6_000] and set(saved["final_holdout"]["clk"]) == legs
     assert set(saved["throughput"]) == {"fnw", "fnc", "es_dfm"} and saved["throughput_ratio"] > 0
     assert saved["throughput_ratio"] == min(t["ratio"] for t in saved["throughput"].values())
     assert "best correction" in printed and "training throughput over naive's" in printed

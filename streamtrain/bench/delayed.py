@@ -14,7 +14,7 @@ buy as tasks (docs/delayed-labels.md):
 - fnw, fnc, es_dfm: the same samples under each correction.
 
 The legs train segment by segment of the stream, so that a load change on a shared machine
-hits all of them; within a segment the joiner's legs take rounds of 16 batches, the order
+hits all of them; within a segment the joiner's legs take rounds of 4 batches, the order
 rotating. Each then scores the --holdout impressions that
 follow, without training, against their final labels: per task, AUC, normalized entropy and
 calibration (mean prediction over the rate of final labels; calibration_vs_truth divides by the
@@ -55,7 +55,7 @@ CORRECTIONS = ("fnw", "fnc", "es_dfm")
 JOINED_LEGS = ("naive", *CORRECTIONS)
 LEGS = ("oracle", "window", *JOINED_LEGS)
 # Batches each of the joiner's legs trains in a round of the throughput's comparison.
-ROUND_BATCHES = 16
+ROUND_BATCHES = 4
 TASKS = ("clk", "buy")
 AUC_GOAL, CALIBRATION_GOAL, THROUGHPUT_GOAL, NAIVE_MISCALIBRATED = 0.003, (0.97, 1.03), 0.95, 0.9
 
@@ -67,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--holdout", type=int, default=100_000, help="impressions scored at the end (default 100,000)")
     parser.add_argument(
         "--segments", type=int, default=10, help="turns the legs take, the first a warm-up (default 10)"
+    )
+    parser.add_argument(
+        "--evaluations",
+        type=int,
+        default=5,
+        help="holdouts: after each of the last N segments, the --holdout impressions that follow, scored before "
+        "they train (the last after every impression); the figures pool them (default 5)",
     )
     parser.add_argument("--seed", type=int, default=0, help="the stream's seed (default 0)")
     stream = parser.add_argument_group("the planted stream (streamtrain produce --drift --delays)")
@@ -98,7 +105,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     from streamtrain.dev.drift import Drift
 
     if args.quick:
-        sizes = Sizes(8_000, 2_000, 4, Drift(users=200, ads=200, lifetime=6_000), Delays(300, 500, 1.0, 1_500, 3_000))
+        drift, delays = Drift(users=200, ads=200, lifetime=6_000), Delays(300, 500, 1.0, 1_500, 3_000)
+        sizes = Sizes(6_000, 1_500, 3, drift, delays, evaluations=2)
     else:
         drift = Drift(users=args.users, ads=args.ads, lifetime=args.lifetime, id_effect=args.id_effect)
         delays = Delays(
@@ -110,7 +118,9 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
             args.stream_rate,
             args.wait,
         )
-        sizes = Sizes(args.impressions, args.holdout, args.segments, drift, delays)
+        if not 1 <= args.evaluations < args.segments:
+            raise SystemExit("streamtrain bench delayed: --evaluations must be at least 1 and below --segments")
+        sizes = Sizes(args.impressions, args.holdout, args.segments, drift, delays, args.evaluations)
     return bench_delayed(args.config, sizes, args.seed, progress)
 
 
@@ -121,6 +131,15 @@ class Sizes:
     segments: int
     drift: Drift
     delays: Delays
+    evaluations: int = 1  # holdouts, after each of the last segments
+
+    def bounds(self) -> np.ndarray:
+        """The segments' edges, in impressions."""
+        return np.linspace(0, self.impressions, self.segments + 1).astype(np.int64)
+
+    def evaluated_after(self) -> list[int]:
+        """The positions after which each holdout starts: the ends of the last ``evaluations`` segments."""
+        return self.bounds()[-self.evaluations :].tolist()
 
 
 def leg_configs(config_path: Path, delays: Delays) -> dict[str, WorkerConfig]:
@@ -154,16 +173,27 @@ def leg_configs(config_path: Path, delays: Delays) -> dict[str, WorkerConfig]:
 
 @dataclass
 class _Planted:
-    """The three streams the legs train, as (emission position, payload), and the holdout's truth."""
+    """The three streams the legs train, as (emission position, payload), and the impressions the
+    holdouts are cut from (from ``scored_from`` on), each with its truth."""
 
+    scored_from: int
     joined: list[tuple[float, bytes]] = field(default_factory=list)
     oracle: list[tuple[float, bytes]] = field(default_factory=list)
     window: list[tuple[float, bytes]] = field(default_factory=list)
-    holdout: list[bytes] = field(default_factory=list)
-    final: dict[str, list[np.ndarray]] = field(default_factory=lambda: {t: [] for t in TASKS})
-    planted: dict[str, list[np.ndarray]] = field(default_factory=lambda: {t: [] for t in TASKS})
+    scored: list[bytes] = field(default_factory=list)  # plain, with final labels
+    final: dict[str, list[int]] = field(default_factory=lambda: {t: [] for t in TASKS})
+    planted: dict[str, list[float]] = field(default_factory=lambda: {t: [] for t in TASKS})
     late_labels: int = 0
     rates: dict[str, float] = field(default_factory=dict)  # final positives per training impression
+
+    def holdout(self, start: int, count: int) -> tuple[list[bytes], dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """Impressions [start, start + count): payloads, final labels and planted probabilities per task."""
+        part = slice(start - self.scored_from, start - self.scored_from + count)
+        return (
+            self.scored[part],
+            {task: np.array(self.final[task][part]) for task in TASKS},
+            {task: np.array(self.planted[task][part]) for task in TASKS},
+        )
 
 
 def plant(sizes: Sizes, seed: int, encoder: SampleEncoder) -> _Planted:
@@ -174,7 +204,7 @@ def plant(sizes: Sizes, seed: int, encoder: SampleEncoder) -> _Planted:
     stream = DriftingClickStream(seed, 0, delays.stream_rate, sizes.drift)
     wait = max(delays.windows().values())
     attributed = delays.attributed()
-    planted = _Planted()
+    planted = _Planted(sizes.evaluated_after()[0])
     positives = dict.fromkeys(TASKS, 0)
 
     def plain(record: dict) -> bytes:
@@ -190,15 +220,15 @@ def plant(sizes: Sizes, seed: int, encoder: SampleEncoder) -> _Planted:
                     planted.window.append((position + wait, plain(record)))
                 for task in TASKS:
                     positives[task] += record[task]
-            for i in np.flatnonzero(~trained).tolist():
+            for i in np.flatnonzero(chunk.position >= planted.scored_from).tolist():
                 record = chunk.records[i]
-                planted.holdout.append(plain(record))
+                planted.scored.append(plain(record))
                 for task in TASKS:
-                    planted.final[task].append(np.array([record[task]]))
+                    planted.final[task].append(record[task])
                 # the planted probability of a final positive: a positive, within its window
                 p_click = float(chunk.p_click[i])
-                planted.planted["clk"].append(np.array([p_click * attributed["clk"]]))
-                planted.planted["buy"].append(np.array([p_click * float(chunk.p_buy[i]) * attributed["buy"]]))
+                planted.planted["clk"].append(p_click * attributed["clk"])
+                planted.planted["buy"].append(p_click * float(chunk.p_buy[i]) * attributed["buy"])
             if trained.any():
                 yield chunk.part(trained)
 
@@ -249,7 +279,10 @@ def bench_delayed(config_path: Path, sizes: Sizes, seed: int, progress: Callable
         for name in LEGS
     }
     batch_size = configs["naive"].batching.batch_size
-    bounds = np.linspace(0, sizes.impressions, sizes.segments + 1)
+    bounds = sizes.bounds()
+    evaluated_after = sizes.evaluated_after()
+    # leg -> task -> per holdout: (predictions, final labels, planted probabilities)
+    scored: dict[str, dict[str, list[tuple[np.ndarray, ...]]]] = {name: {t: [] for t in TASKS} for name in LEGS}
     timed_samples = 0
     for segment, (low, high) in enumerate(itertools.pairwise(bounds)):
         batches = {
@@ -272,15 +305,16 @@ def bench_delayed(config_path: Path, sizes: Sizes, seed: int, progress: Callable
                 seconds = _train(legs[name].trainer, joined[start : start + ROUND_BATCHES])
                 if timed:
                     legs[name].seconds.append(seconds)
+        if high in evaluated_after:
+            payloads, final, chance = planted.holdout(int(high), sizes.holdout)
+            holdout = _batches(decoders["plain"], [RawEvent(0, i, p, 0) for i, p in enumerate(payloads)], batch_size)
+            for name, leg in legs.items():
+                scores = _scores(leg.trainer, holdout)
+                for t, task in enumerate(TASKS):
+                    scored[name][task].append((scores[:, t], final[task], chance[task]))
         progress(f"segment {segment + 1}/{sizes.segments}: impressions up to {int(high):,} trained by every leg")
-    holdout = _batches(decoders["plain"], [RawEvent(0, i, p, 0) for i, p in enumerate(planted.holdout)], batch_size)
-    truth = {task: np.concatenate(planted.final[task]) for task in TASKS}
-    chance = {task: np.concatenate(planted.planted[task]) for task in TASKS}
-    tasks: dict[str, dict[str, dict[str, float]]] = {task: {} for task in TASKS}
-    for name, leg in legs.items():
-        scores = _scores(leg.trainer, holdout)
-        for t, task in enumerate(TASKS):
-            tasks[task][name] = _figures(scores[:, t], truth[task], chance[task])
+    tasks = {task: {name: _figures(scored[name][task]) for name in LEGS} for task in TASKS}
+    final_holdout = {task: {name: _figures(scored[name][task][-1:]) for name in LEGS} for task in TASKS}
     from streamtrain.metrics import roc_auc
 
     rounds = {
@@ -294,6 +328,7 @@ def bench_delayed(config_path: Path, sizes: Sizes, seed: int, progress: Callable
         "impressions": sizes.impressions,
         "holdout": sizes.holdout,
         "segments": sizes.segments,
+        "evaluations": sizes.evaluations,
         "seed": seed,
         "batch_size": batch_size,
         "stream": {
@@ -309,8 +344,10 @@ def bench_delayed(config_path: Path, sizes: Sizes, seed: int, progress: Callable
             "late_labels": planted.late_labels,
             "final_positive_rates": planted.rates,
         },
-        "bayes_auc": {task: roc_auc(chance[task], truth[task]) for task in TASKS},
+        "evaluated_after": evaluated_after,
+        "bayes_auc": {task: float(np.mean([roc_auc(c, y) for _p, y, c in scored["oracle"][task]])) for task in TASKS},
         "tasks": tasks,
+        "final_holdout": final_holdout,
         "throughput": {name: {"ratio": ratios[name], "rounds": rounds[name]} for name in CORRECTIONS},
         "throughput_ratio": min(ratios.values()),
         # the joiner's legs' samples a second of training, after the first segment
@@ -344,27 +381,32 @@ def _scores(trainer: Trainer, holdout: list[ClickBatch]) -> np.ndarray:
     """Each holdout event's served probability per task, by the leg's final model, without training."""
     import torch
 
-    model = trainer.pipeline.detach()
+    model = trainer.pipeline.detach()  # the pipeline attaches it again at its next step
     model.eval()
     with torch.no_grad():
         logits = torch.cat([model(b.to(trainer.env.device))[1][1].float().cpu() for b in holdout])
+    model.train()
     return torch.sigmoid(logits).numpy().reshape(len(logits), -1)
 
 
-def _figures(p: np.ndarray, y: np.ndarray, planted: np.ndarray) -> dict[str, float]:
+def _figures(holdouts: list[tuple[np.ndarray, ...]]) -> dict[str, float]:
+    """A leg's figures on its holdouts ((predictions, final labels, planted probabilities) each): the
+    mean of their AUCs; NE and calibration over them pooled."""
     from streamtrain.metrics import roc_auc
 
-    p64, y64 = p.astype(np.float64), y.astype(np.float64)
-    clipped = np.clip(p64, 1e-7, 1 - 1e-7)
-    loss = -(y64 * np.log(clipped) + (1 - y64) * np.log(1 - clipped)).mean()
-    rate = y64.mean()
+    p = np.concatenate([h[0] for h in holdouts]).astype(np.float64)
+    y = np.concatenate([h[1] for h in holdouts]).astype(np.float64)
+    planted = np.concatenate([h[2] for h in holdouts])
+    clipped = np.clip(p, 1e-7, 1 - 1e-7)
+    loss = -(y * np.log(clipped) + (1 - y) * np.log(1 - clipped)).mean()
+    rate = y.mean()
     entropy = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate)) if 0 < rate < 1 else math.nan
     return {
-        "holdout_auc": roc_auc(p64, y64),
+        "holdout_auc": float(np.mean([roc_auc(h[0], h[1]) for h in holdouts])),
         "ne": float(loss / entropy),
-        "calibration": float(p64.mean() / rate) if rate else math.nan,
-        "calibration_vs_truth": float(p64.mean() / planted.mean()),
-        "mean_prediction": float(p64.mean()),
+        "calibration": float(p.mean() / rate) if rate else math.nan,
+        "calibration_vs_truth": float(p.mean() / planted.mean()),
+        "mean_prediction": float(p.mean()),
     }
 
 
