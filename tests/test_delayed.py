@@ -25,6 +25,7 @@ from streamtrain.delayed import Corrections, LateShare, fnc_logits, served_logit
 from streamtrain.dev.produce import AvroEncoder
 from streamtrain.model import task_losses
 from streamtrain.source import RawEvent
+from test_decode import event
 
 SAMPLE_SCHEMA = REPO / "schemas" / "click_sample.avsc"
 WINDOW_SECONDS = {"clk": 60.0, "buy": 600.0}
@@ -46,29 +47,8 @@ def delayed_raw(clk: str = "fnw", buy: str = "es_dfm", schema: Path | str = "sch
 
 
 def record(**fields) -> dict:
-    base = {
-        "event_time": T0,
-        "user_id": 11,
-        "adgroup_id": 22,
-        "cate_id": 33,
-        "campaign_id": 44,
-        "customer": 55,
-        "brand": None,
-        "cms_segid": 1,
-        "cms_group_id": 2,
-        "final_gender_code": 1,
-        "age_level": 3,
-        "pvalue_level": 1,
-        "shopping_level": 2,
-        "occupation": 0,
-        "new_user_class_level": 4,
-        "pid": "430548_1007",
-        "recent_cate_ids": [5, 6],
-        "price": 9.5,
-        "clk": 0,
-        "buy": 0,
-    }
-    return {**base, **fields}
+    """A click event (tests/test_decode.py's) at T0, its labels 0 unless ``fields`` say otherwise."""
+    return event(**{"event_time": T0, "clk": 0, "buy": 0, **fields})
 
 
 def impression(impression_id: int, clk: int | None = 0, buy: int | None = 0, **fields) -> dict:
