@@ -249,8 +249,12 @@ class TableConfig(_Strict):
         gt=0, description="The table's rows. A managed table sets rows instead (num_embeddings is then rows)."
     )
     embedding_dim: int = Field(
-        gt=0, description="The embedding's width; every table has the same (DLRM's interaction needs it)."
+        gt=0,
+        description="The embedding's width, a multiple of 4 (fbgemm's fused kernel needs it). The built-in "
+        "architectures need one width for every table (their interactions pair the embeddings); a model.module's "
+        "tables may differ (docs/models.md).",
     )
+
     pooling: Literal["sum", "mean"] = Field(default="sum", description="How a multi-valued feature's rows are pooled.")
     id_mapping: Literal["modulo", "hash", "managed"] = Field(
         default="modulo",
