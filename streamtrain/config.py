@@ -254,7 +254,6 @@ class TableConfig(_Strict):
         "architectures need one width for every table (their interactions pair the embeddings); a model.module's "
         "tables may differ (docs/models.md).",
     )
-
     pooling: Literal["sum", "mean"] = Field(default="sum", description="How a multi-valued feature's rows are pooled.")
     id_mapping: Literal["modulo", "hash", "managed"] = Field(
         default="modulo",
@@ -723,6 +722,9 @@ class BatchingConfig(_Strict):
         gt=0,
         le=1_000_000,
         description="Events a step trains per rank; unset (or null): 1,024 on CPU, 16,384 on cuda (docs/batching.md).",
+        # Filled in before validation, from DEFAULT_BATCH_SIZE for the device distributed.device
+        # resolves to: the reference must not show the CPU's as the one default.
+        json_schema_extra={"default_by_device": True},
     )
     max_batch_wait_ms: int = Field(
         default=200,

@@ -142,6 +142,8 @@ def _type(annotation: Any, path: list[str]) -> str:
 
 
 def _default(field: Any) -> str:
+    if (field.json_schema_extra or {}).get("default_by_device"):  # batching.batch_size, set before validation
+        return "by device: " + ", ".join(f"`{size}` on {device}" for device, size in config.DEFAULT_BATCH_SIZE.items())
     value = field.default
     if value is PydanticUndefined:
         return "required"
