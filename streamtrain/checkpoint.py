@@ -540,6 +540,8 @@ class Checkpointer:
         self.world_size = world_size
         self.group = group
         self.metrics = metrics
+        if metrics is not None:
+            metrics.checkpoint_interval.set(config.interval_seconds)
         self.worker_config = worker_config
         self.fingerprint = compatibility_fingerprint(worker_config)
         self.in_flight: tuple[Future, str, StreamState, float] | None = None

@@ -249,7 +249,10 @@ class TableConfig(_Strict):
         gt=0, description="The table's rows. A managed table sets rows instead (num_embeddings is then rows)."
     )
     embedding_dim: int = Field(
-        gt=0, description="The embedding's width; every table has the same (DLRM's interaction needs it)."
+        gt=0,
+        description="The embedding's width, a multiple of 4 (fbgemm's fused kernel needs it). The built-in "
+        "architectures need one width for every table (their interactions pair the embeddings); a model.module's "
+        "tables may differ (docs/models.md).",
     )
     pooling: Literal["sum", "mean"] = Field(default="sum", description="How a multi-valued feature's rows are pooled.")
     id_mapping: Literal["modulo", "hash", "managed"] = Field(
@@ -719,6 +722,9 @@ class BatchingConfig(_Strict):
         gt=0,
         le=1_000_000,
         description="Events a step trains per rank; unset (or null): 1,024 on CPU, 16,384 on cuda (docs/batching.md).",
+        # Filled in before validation, from DEFAULT_BATCH_SIZE for the device distributed.device
+        # resolves to: the reference must not show the CPU's as the one default.
+        json_schema_extra={"default_by_device": True},
     )
     max_batch_wait_ms: int = Field(
         default=200,

@@ -419,6 +419,12 @@ class WorkerMetrics:
         # Until a snapshot is restored or committed, its age counts from the start, so a fresh
         # worker is not "three intervals late" at once.
         self.checkpoint_last_success.set(time.time())
+        # What StreamtrainCheckpointStale measures the age against; 0 (ignored) without checkpoint.path.
+        self.checkpoint_interval = Gauge(
+            "streamtrain_checkpoint_interval_seconds",
+            "checkpoint.interval_seconds: how often a snapshot is due; 0 without checkpoint.path.",
+            registry=registry,
+        )
         self.checkpoint_failures = Counter(
             "streamtrain_checkpoint_failures", "Snapshots that failed to write.", registry=registry
         )
