@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from streamtrain import durable
 from streamtrain.config import CheckpointConfig, WorkerConfig
+from streamtrain.exitcodes import ExitCode
 from streamtrain.heads import architecture
 from streamtrain.schema import field_kind, load_schema
 
@@ -56,10 +57,6 @@ PARTIAL = ".partial"
 FORMAT_VERSION = 1
 # Version 1 hashed whole config sections; version 2 lists what shapes the tensors (see below).
 FINGERPRINT_VERSION = 2
-# The worker's exit code once checkpoint.max_consecutive_failures snapshots in a row failed.
-EXIT_SNAPSHOTS_FAILING = 6
-# The worker's exit code when checkpoint.path holds snapshots and none of them loads.
-EXIT_RESTORE_REFUSED = 7
 ASIDE = "aside-"
 
 
@@ -73,7 +70,7 @@ class SnapshotsFailing(CheckpointError):
 
 class RestoreRefused(CheckpointError):
     """Snapshots exist and none can be restored: every rank raises it, and the worker exits with
-    ``EXIT_RESTORE_REFUSED``, leaving them where they are."""
+    ``ExitCode.RESTORE_REFUSED``, leaving them where they are."""
 
 
 @dataclass(frozen=True)
@@ -687,7 +684,7 @@ class Checkpointer:
             f"{self.consecutive_failures} snapshots in a row failed (checkpoint.max_consecutive_failures is "
             f"{self.config.max_consecutive_failures}); the last at {self.last_failure}. Training on would pile "
             f"up work that a crash loses. Check free space and permissions of {self.root}; a restart resumes "
-            f"from the last committed snapshot. Exiting with code {EXIT_SNAPSHOTS_FAILING}."
+            f"from the last committed snapshot. Exiting with code {ExitCode.SNAPSHOTS_FAILING:d}."
         )
 
     def _commit(self, partial_path: str, final_path: str, stream: StreamState, seconds: float) -> None:
@@ -790,7 +787,7 @@ class Checkpointer:
                 f"{self.root} holds snapshots and none of them loads: {'; '.join(reasons)}. Nothing was removed. "
                 f"Fix what the reasons name and restart; or pass --allow-partial-restore if the config changed; "
                 f"or pass --fresh-start to move them aside (into {ASIDE}<time>/ there) and start at the configured "
-                f"position. Exiting with code {EXIT_RESTORE_REFUSED}."
+                f"position. Exiting with code {ExitCode.RESTORE_REFUSED:d}."
             )
         snapshot, stream = loaded
         assert stream is not None and snapshot.metadata is not None
@@ -866,7 +863,7 @@ class Checkpointer:
                     f"Its tensors would not mean the same thing here. Restore it with the config it was written "
                     f"with, point checkpoint.path elsewhere to start fresh, or pass --allow-partial-restore to "
                     f"load only the tensors whose names and shapes still match. Exiting with code "
-                    f"{EXIT_RESTORE_REFUSED}."
+                    f"{ExitCode.RESTORE_REFUSED:d}."
                 )
             if verdict == 1:
                 why = "another rank cannot verify it (see its log)" if snapshot else "this rank cannot verify it"
@@ -885,7 +882,7 @@ class Checkpointer:
             if differences:  # a partial load writes only some tensors: an older one would not overwrite them all
                 raise RestoreRefused(
                     f"the partial restore of {snapshot.path} failed after it began loading ({why}); the model may be "
-                    f"half-loaded, so the worker does not train it. Exiting with code {EXIT_RESTORE_REFUSED}."
+                    f"half-loaded, so the worker does not train it. Exiting with code {ExitCode.RESTORE_REFUSED:d}."
                 )
             log.warning("skipping snapshot %s: %s", snapshot.path, why)
             reasons.append(f"{snapshot.path}: {why}")

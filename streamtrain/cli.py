@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamtrain.config import PACKAGE_DIR, ConfigError
+from streamtrain.exitcodes import ExitCode
 
 if TYPE_CHECKING:
     from streamtrain.delivery.serve import DeltaSource
@@ -121,11 +122,11 @@ def _launch_local_ranks(args: argparse.Namespace) -> int:
         # The launcher has passed the signal to every rank and waited for them to stop: a
         # requested, graceful stop, not a failure.
         print(f"streamtrain: stopped by {signal.Signals(stopped.sigval).name}", file=sys.stderr)
-        return 0 if stopped.sigval in (signal.SIGTERM, signal.SIGINT) else 1
+        return ExitCode.OK if stopped.sigval in (signal.SIGTERM, signal.SIGINT) else ExitCode.FAILED
     except Exception as error:  # ChildFailedError: the launcher has already printed which rank failed
         print(f"streamtrain: a rank failed: {str(error).splitlines()[0] if str(error) else error}", file=sys.stderr)
-        return 1
-    return 0
+        return ExitCode.FAILED
+    return ExitCode.OK
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -169,12 +170,12 @@ def _produce(args: argparse.Namespace) -> int:
     if given and not args.drift:
         flags = ", ".join(f"--drift-{name.replace('_', '-')}" for name in given)
         print(f"streamtrain produce: {flags}: only the drifting stream takes these; add --drift", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
     try:
         drift = Drift(**given) if args.drift else None
     except ValueError as error:
         print(f"streamtrain produce: {error}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -217,7 +218,7 @@ def _demo(args: argparse.Namespace) -> int:
             "streamtrain demo: --metrics-port 0 leaves nothing to calibrate from; give a port, or --rate",
             file=sys.stderr,
         )
-        return 2
+        return ExitCode.CONFIG
     return run_demo(metrics_port=args.metrics_port, rate=args.rate, load_fraction=args.load_fraction)
 
 
@@ -303,7 +304,7 @@ def _serve(args: argparse.Namespace) -> int:
         )
     except (OSError, ValueError) as error:  # the token file
         print(f"streamtrain: --token-file: {error}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
     try:
         server.start()
     except TimeoutError as error:  # no base to serve yet
@@ -312,7 +313,7 @@ def _serve(args: argparse.Namespace) -> int:
     except DeltaSourceUnavailable as error:
         # the same exit code as a worker whose brokers do not answer: an orchestrator retries both
         print(f"streamtrain: the deltas cannot be read: {error}", file=sys.stderr)
-        return 4
+        return ExitCode.KAFKA_UNREACHABLE
     print(f"serving {model} on http://{args.host}:{server.port} (POST /score, /readyz, /metrics)", flush=True)
     stop.wait()
     server.stop()
@@ -667,7 +668,7 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except ConfigError as error:
         print(f"streamtrain: {error}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
 
 
 def program() -> int:

@@ -20,11 +20,12 @@ from fsspec.implementations.local import LocalFileSystem
 
 from conftest import REPO, SCHEMA, end_offsets
 from streamtrain import durable, worker
-from streamtrain.checkpoint import EXIT_RESTORE_REFUSED, Checkpointer, StreamState, list_snapshots
+from streamtrain.checkpoint import Checkpointer, StreamState, list_snapshots
 from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events, produce
 from streamtrain.device import init_distributed
+from streamtrain.exitcodes import ExitCode
 from streamtrain.idspace import IdSpace
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.source import RawEvent
@@ -241,7 +242,7 @@ def test_fresh_start_after_a_restore_that_loads_nothing_exit_7_and_lose_nothing(
     before = tree(root)
 
     refused = start_worker(topic_name, "--until-end", env=env)
-    assert refused.wait(timeout=120) == EXIT_RESTORE_REFUSED, refused.output()[-3000:]
+    assert refused.wait(timeout=120) == ExitCode.RESTORE_REFUSED, refused.output()[-3000:]
     output = refused.output()
     assert all(f"{root / name}: data file" in output for name in damaged), output[-3000:]
     assert "--fresh-start" in output and tree(root) == before  # nothing removed, nothing written
