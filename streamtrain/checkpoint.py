@@ -40,6 +40,7 @@ from streamtrain import durable
 from streamtrain.config import CheckpointConfig, WorkerConfig
 from streamtrain.exitcodes import ExitCode
 from streamtrain.heads import architecture
+from streamtrain.launch import exit_if_orphaned
 from streamtrain.schema import field_kind, load_schema
 
 if TYPE_CHECKING:
@@ -708,6 +709,7 @@ class Checkpointer:
             "commit": self._next_commit(),
         }
         fs.pipe_file(_join(partial, MARKER), json.dumps(marker, indent=2).encode())
+        exit_if_orphaned("committing a snapshot")  # a replacement worker may be committing by now
         # a replay of the same step after a crash: the new cut replaces it
         durable.publish_folder(fs, partial, final)
         _, base = _fs(self.root)

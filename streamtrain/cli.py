@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +27,7 @@ DEFAULT_SCHEMA = PACKAGE_DIR / "schemas" / "click_event.avsc"
 DOCS_PAGES = {
     "streamtrain": "index.md",
     "worker": "getting-started.md",
+    "torchrun": "ranks.md",
     "plan": "ranks.md",
     "produce": "development.md",
     "dev-kafka": "development.md",
@@ -72,7 +74,7 @@ def _worker(args: argparse.Namespace) -> int:
         from streamtrain.device import select_device
 
         select_device(config.distributed.device)  # refuse distributed.device: cuda here, not in every rank
-        return _launch_local_ranks(args)
+        return _launch_local_ranks(args, config.distributed.shutdown_grace_seconds)
     from streamtrain.source import KafkaUnavailable
     from streamtrain.worker import run_worker
 
@@ -95,10 +97,10 @@ def _worker(args: argparse.Namespace) -> int:
         return error.exit_code
 
 
-def _launch_local_ranks(args: argparse.Namespace) -> int:
-    """Start ``--nproc`` ranks on this host with torch's elastic launcher, exactly as torchrun would."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import get_args_parser, run
+def _launch_local_ranks(args: argparse.Namespace, shutdown_grace: float) -> int:
+    """Start ``--nproc`` ranks on this host with torch's elastic launcher, exactly as torchrun would;
+    the ranks' exit code, the most severe if several failed."""
+    from streamtrain.launch import launch
 
     worker_args = ["worker", "--config", str(args.config)]
     if args.until_end:
@@ -113,20 +115,24 @@ def _launch_local_ranks(args: argparse.Namespace) -> int:
         worker_args += ["--init-from", args.init_from]
     if args.start_at is not None:
         worker_args += ["--start-at", args.start_at]
-    launch = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={args.nproc}", "--max-restarts=0", "--module", "streamtrain", *worker_args]
+    return launch(
+        ["--standalone", f"--nproc-per-node={args.nproc}", "--max-restarts=0", "--module", "streamtrain", *worker_args],
+        shutdown_grace,
     )
-    try:
-        run(launch)
-    except SignalException as stopped:
-        # The launcher has passed the signal to every rank and waited for them to stop: a
-        # requested, graceful stop, not a failure.
-        print(f"streamtrain: stopped by {signal.Signals(stopped.sigval).name}", file=sys.stderr)
-        return ExitCode.OK if stopped.sigval in (signal.SIGTERM, signal.SIGINT) else ExitCode.FAILED
-    except Exception as error:  # ChildFailedError: the launcher has already printed which rank failed
-        print(f"streamtrain: a rank failed: {str(error).splitlines()[0] if str(error) else error}", file=sys.stderr)
-        return ExitCode.FAILED
-    return ExitCode.OK
+
+
+def _torchrun(args: argparse.Namespace) -> int:
+    from streamtrain.launch import launch
+
+    if not args.options or args.options[0] in ("-h", "--help"):
+        from torch.distributed.run import get_args_parser
+
+        print(args.describe)
+        parser = get_args_parser()
+        parser.prog = "streamtrain torchrun"
+        parser.print_help()
+        return ExitCode.OK
+    return launch(args.options)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -433,6 +439,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     worker.set_defaults(run=_worker)
 
+    torchrun_description = (
+        "torchrun, returning the ranks' exit code: the most severe of the failed ranks' codes, or after a stop "
+        "the ranks' own (3 for a rank that did not stop within torchrun's --shutdown-timeout). It takes torchrun's "
+        "options and command line unchanged, e.g. `streamtrain torchrun --nnodes 2 --nproc-per-node 4 "
+        "--rdzv-backend c10d --rdzv-endpoint HOST:29400 -m streamtrain worker --config worker.yaml`; its ranks die "
+        "with it. torchrun's own options follow."
+    )
+    torchrun = commands.add_parser(
+        "torchrun",
+        help="torchrun for streamtrain ranks, exiting with the ranks' exit code",
+        description=torchrun_description,
+        add_help=False,
+        prefix_chars="\0",  # every argument is torchrun's
+    )
+    torchrun.add_argument("options", nargs=argparse.REMAINDER, help="torchrun's options and command line")
+    torchrun.set_defaults(run=_torchrun, describe=torchrun_description)
+
     plan = commands.add_parser(
         "plan",
         help="print the sharding plan for any world size, without training or Kafka",
@@ -672,8 +695,20 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def program() -> int:
-    """``main`` as the ``streamtrain`` program runs it (the console script, ``python -m streamtrain``)."""
-    code = main()
+    """``main`` as the ``streamtrain`` program runs it (the console script, ``python -m streamtrain``):
+    in a rank, dying with its launcher and recording its exit code for it (streamtrain.launch)."""
+    from streamtrain.launch import die_with_parent, record_exit
+
+    die_with_parent()
+    try:
+        code = main()
+    except SystemExit as stop:  # argparse's, or a command's message
+        record_exit(stop.code if isinstance(stop.code, int) else ExitCode.OK if stop.code is None else ExitCode.FAILED)
+        raise
+    except BaseException:
+        record_exit(ExitCode.FAILED, traceback.format_exc())
+        raise
+    record_exit(code)
     # The interpreter's last full collection walks every object torch, TorchRec and numba made: a
     # 1-rank worker took 1.35 s to exit, 0.25 s without it. Everything is closed and flushed by
     # now, so cyclic garbage is left to the OS, and a restart, or each torchrun rank, ends sooner.

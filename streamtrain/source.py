@@ -22,6 +22,7 @@ from confluent_kafka.admin import ClusterMetadata
 
 from streamtrain.config import KafkaConfig
 from streamtrain.exitcodes import ExitCode
+from streamtrain.launch import exit_if_orphaned
 from streamtrain.rdkafka import FetchedMessage, FetchQueue
 from streamtrain.retry import Backoff, retry
 
@@ -483,6 +484,7 @@ class KafkaSource:
 
     def commit(self, next_offsets: dict[int, int]) -> None:
         """Record trained positions in the consumer group, for lag dashboards; never blocks."""
+        exit_if_orphaned("committing offsets")  # a replacement worker may be committing by now
         if next_offsets:
             self.consumer.commit(
                 offsets=[TopicPartition(self.topic, p, o) for p, o in next_offsets.items()], asynchronous=True

@@ -25,6 +25,7 @@ from streamtrain.delivery.artifact import check_exportable
 from streamtrain.delivery.publisher import Publisher
 from streamtrain.device import decode_threads, gloo_group, init_distributed
 from streamtrain.exitcodes import ExitCode
+from streamtrain.launch import record_exit
 from streamtrain.lockstep import Lockstep, SnapshotSchedule
 from streamtrain.metrics import Health, WorkerMetrics
 from streamtrain.registry import schema_source
@@ -480,4 +481,5 @@ def _give_up(grace: float) -> None:
         "shutdown did not finish within %gs (distributed.shutdown_grace_seconds); exiting without a clean close", grace
     )
     logging.shutdown()
+    record_exit(ExitCode.SHUTDOWN_TIMEOUT)
     os._exit(ExitCode.SHUTDOWN_TIMEOUT)
