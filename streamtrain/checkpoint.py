@@ -452,8 +452,9 @@ def _step_of(name: str) -> int | None:
 
 
 def list_snapshots(root: str) -> list[SnapshotInfo]:
-    """Every snapshot under ``root``, newest first, each verified: its marker parses and every
-    file DCP's metadata refers to exists and is long enough."""
+    """Every snapshot under ``root``, the one committed last first (``commit_order``: the order
+    restore, retention and export all read), each verified: its marker parses and every file DCP's
+    metadata refers to exists and is long enough. Those whose marker is unreadable come last."""
     fs, base = _fs(root)
     if not fs.exists(base):
         return []
@@ -463,7 +464,7 @@ def list_snapshots(root: str) -> list[SnapshotInfo]:
         step = _step_of(name)
         if step is not None:
             found.append(verify_snapshot(_join(root, name), step))
-    return sorted(found, key=lambda s: (s.step, s.complete), reverse=True)
+    return sorted(found, key=lambda s: s.commit_order, reverse=True)
 
 
 def verify_snapshot(path: str, step: int | None = None) -> SnapshotInfo:
@@ -834,20 +835,22 @@ class Checkpointer:
     def _load_agreed(
         self, snapshots: list[SnapshotInfo], allow_partial: bool, parts: tuple[str, ...], reasons: list[str]
     ) -> tuple[SnapshotInfo, StreamState | None] | None:
-        """Every rank loads ``parts`` of the same snapshot: the newest each rank verifies (the
-        MIN over ranks); if any rank cannot verify or load it, all fall back to the next older
-        one together. Ranks that restored different cuts would train from mixed positions. Why
-        each skipped one was skipped is appended to ``reasons``."""
+        """Every rank loads ``parts`` of the same snapshot: the one committed last (``snapshots``'
+        order, which retention keeps by) that every rank verifies and loads. Rank 0 names each
+        candidate in turn; if any rank cannot verify or load it, all fall back to the next one
+        together. Ranks that restored different cuts would train from mixed positions. By commit,
+        not step: a run that fell back to an older snapshot commits lower steps after the higher
+        one it abandoned, and those are its newest. Why each skipped one was skipped is appended
+        to ``reasons``."""
         for unusable in (s for s in snapshots if not s.complete):
             log.warning("skipping snapshot %s: %s", unusable.path, unusable.problem)
             reasons.append(f"{unusable.path}: {unusable.problem}")
-        verified = {s.step: s for s in snapshots if s.complete}
-        below: int | None = None
-        while True:  # ends: each turn lowers ``below`` to a step some rank verified, or to -1
-            step = self._agree(max((s for s in verified if below is None or s < below), default=-1), dist.ReduceOp.MIN)
+        verified = {s.step: s for s in snapshots if s.complete}  # a step names one folder
+        candidates = iter(verified) if self.rank == 0 else iter(())
+        while True:  # ends: each turn takes the next of rank 0's candidates, or -1 once none is left
+            step = self._agree(next(candidates, -1), dist.ReduceOp.MAX)  # the other ranks offer -1
             if step < 0:
                 return None
-            below = step
             snapshot = verified.get(step)
             differences: list[str] = []
             if snapshot is not None:

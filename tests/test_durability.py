@@ -30,6 +30,7 @@ from streamtrain.idspace import IdSpace
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.source import RawEvent
 from streamtrain.train import StepReadout, StepResult, Trainer
+from test_checkpoint import weights
 
 
 def small_config(tmp_path: Path, features: dict | None = None, **checkpoint):
@@ -178,6 +179,41 @@ def test_retention_rm_failure_leaves_the_commit_counted_as_done(tmp_path, monkey
     monkeypatch.undo()
     saver.save(StreamState(step=3))  # the next commit's retention removes what the last could not
     assert [s.step for s in list_snapshots(config.checkpoint.path)] == [3]
+
+
+def test_restore_takes_the_snapshot_committed_last_as_retention_does_not_an_abandoned_higher_step(tmp_path):
+    """A restart fell back from step 10 (unreadable then) to step 6 and committed step 8; retention keeps all
+    three by commit. The next restart, step 10 readable again, must go on from step 8, this timeline's newest."""
+    config = small_config(tmp_path, keep_last=3)
+    root = Path(config.checkpoint.path)
+    env = init_distributed()
+    batch = one_batch(config)
+
+    def checkpointer(trainer: Trainer) -> Checkpointer:  # a new process each time, as after a restart
+        return Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, 0, 1, None)
+
+    first = Trainer(config, env)
+    saver = checkpointer(first)
+    list(first.train(iter([batch])))  # the optimizer's state exists once a step ran
+    saver.save(StreamState(step=6, next_offsets={0: 6}))
+    list(first.train(iter([batch])))
+    saver.save(StreamState(step=10, next_offsets={0: 10}))
+
+    marker = root / "step-000000010" / "streamtrain.json"
+    kept = marker.read_bytes()
+    marker.unlink()  # unreadable at this restart
+    fell_back = Trainer(config, env)
+    saver = checkpointer(fell_back)
+    assert saver.restore().step == 6
+    marker.write_bytes(kept)  # and readable again
+    list(fell_back.train(iter([batch, batch])))
+    newest = weights(fell_back)
+    saver.save(StreamState(step=8, next_offsets={0: 8}))
+    assert sorted(s.step for s in list_snapshots(str(root))) == [6, 8, 10]  # retention keeps all three
+
+    restarted = Trainer(config, env)
+    assert checkpointer(restarted).restore() == StreamState(step=8, next_offsets={0: 8})
+    assert all(torch.equal(value, newest[key]) for key, value in weights(restarted).items())
 
 
 # --- event time ---------------------------------------------------------------------------------------
