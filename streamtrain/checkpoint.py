@@ -555,6 +555,7 @@ class Checkpointer:
         # Steps whose snapshots a reader outside this class is still using (a base export): kept
         # past keep_last until it lets go.
         self.pinned: set[int] = set()
+        self.unreadable_kept: set[str] = set()  # committed snapshots retention could not read, warned of
         # One stager for the worker's life: it keeps its host buffers. One save is in flight at
         # a time, so a staging never overwrites the buffers a write is still reading.
         self.stager = snapshot_stager(_device_of(model), config.async_mode)
@@ -725,19 +726,26 @@ class Checkpointer:
     def _retain(self) -> None:
         """Keep the ``keep_last`` snapshots committed last (and the pinned ones); remove the older
         ones, and leftovers of crashed saves older than the newest. By commit order, not step: a run
-        restarted at a lower step keeps its own snapshots. A removal that fails is logged and
+        restarted at a lower step keeps its own snapshots. A committed snapshot that could not be
+        read (a damaged one, or a read that failed this once) is never removed: refuse rather than
+        forget; nor is a pinned one, whatever its state. A removal that fails is logged and
         counted, and retried at the next commit; the commit it followed stands."""
         try:
             snapshots = list_snapshots(self.root)
         except Exception as error:
             self._retention_failed(self.root, error)
             return
-        complete = sorted((s for s in snapshots if s.complete), key=lambda s: s.commit_order, reverse=True)
-        keep = {s.path for s in complete[: self.config.keep_last]} | {s.path for s in complete if s.step in self.pinned}
+        complete = [s for s in snapshots if s.complete]  # committed last first
+        pinned = {s.path for s in snapshots if s.step in self.pinned}
+        keep = {s.path for s in complete[: self.config.keep_last]} | pinned
         newest = complete[0].step if complete else 0
         fs, _ = _fs(self.root)
         for snapshot in snapshots:
-            if snapshot.path not in keep and (snapshot.complete or snapshot.step < newest):
+            if snapshot.committed and not snapshot.complete and snapshot.path not in self.unreadable_kept:
+                self.unreadable_kept.add(snapshot.path)
+                log.warning("retention: keeping %s, which could not be read (%s)", snapshot.path, snapshot.problem)
+            removable = snapshot.complete or (not snapshot.committed and snapshot.step < newest)
+            if snapshot.path not in keep and removable:
                 try:
                     fs.rm(_fs(snapshot.path)[1], recursive=True)
                 except Exception as error:

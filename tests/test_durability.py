@@ -17,6 +17,7 @@ import pytest
 import torch
 import yaml
 from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import REPO, SCHEMA, end_offsets
 from streamtrain import durable, worker
@@ -214,6 +215,40 @@ def test_restore_takes_the_snapshot_committed_last_as_retention_does_not_an_aban
     restarted = Trainer(config, env)
     assert checkpointer(restarted).restore() == StreamState(step=8, next_offsets={0: 8})
     assert all(torch.equal(value, newest[key]) for key, value in weights(restarted).items())
+
+
+def test_retention_never_removes_a_snapshot_it_could_not_read_nor_a_pinned_one(tmp_path, monkeypatch):
+    config = small_config(tmp_path, keep_last=1)
+    trainer = Trainer(config, init_distributed())
+    saver = Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, 0, 1, None)
+    unreadable: set[str] = set()  # snapshots whose DCP metadata fails to read, once each
+    read_metadata = FileSystemReader.read_metadata
+
+    def flaky(reader):
+        name = Path(reader.path).name
+        if name in unreadable:
+            unreadable.discard(name)
+            raise OSError(f"injected: {name}'s metadata failed to read")
+        return read_metadata(reader)
+
+    monkeypatch.setattr(FileSystemReader, "read_metadata", flaky)
+
+    def steps() -> list[int]:
+        return sorted(int(p.name[5:]) for p in Path(config.checkpoint.path).glob("step-*"))
+
+    saver.save(StreamState(step=1))
+    saver.save(StreamState(step=2))
+    assert steps() == [2]
+    saver.pinned.add(2)  # an export reads it
+    unreadable.add("step-000000002")
+    saver.save(StreamState(step=3))
+    assert steps() == [2, 3]  # pinned, and unreadable this once: kept
+    saver.pinned.discard(2)
+    unreadable.add("step-000000003")
+    saver.save(StreamState(step=4))
+    assert steps() == [3, 4]  # 3 unreadable this once: kept; 2 readable and let go: removed
+    saver.save(StreamState(step=5))
+    assert steps() == [5]  # readable again, 3 goes as retention says
 
 
 # --- event time ---------------------------------------------------------------------------------------
