@@ -639,12 +639,24 @@ class Checkpointer:
         self.last_saved_at = time.monotonic()
         self.last_saved_step = stream.step
         if self.metrics:
-            fs, local = _fs(final_path)
             self.metrics.checkpoint_seconds.observe(duration)
-            self.metrics.checkpoint_bytes.set(sum(fs.du(local, total=False).values()))
             self.metrics.checkpoint_last_success.set(time.time())
+            self._measure(final_path)
         log.info("rank %d: snapshot %s committed (step %d, %.2fs)", self.rank, final_path, stream.step, duration)
         return stream
+
+    def _measure(self, path: str) -> None:
+        """The committed snapshot's size, for its gauge. Read on each rank by itself after every rank
+        agreed on the commit, so a failure here (a file system that fails one rank's listing) is
+        logged and counted, never raised: a rank that raised would leave its peers at the next
+        collective."""
+        assert self.metrics is not None
+        try:
+            fs, local = _fs(path)
+            self.metrics.checkpoint_bytes.set(sum(fs.du(local, total=False).values()))
+        except Exception as error:
+            log.warning("rank %d: could not read the size of %s: %s", self.rank, path, _first_line(error))
+            self.metrics.checkpoint_size_failures.inc()
 
     def save(self, local: StreamState) -> StreamState | None:
         self.start_save(local)

@@ -251,6 +251,26 @@ def test_retention_never_removes_a_snapshot_it_could_not_read_nor_a_pinned_one(t
     assert steps() == [5]  # readable again, 3 goes as retention says
 
 
+def test_a_snapshot_size_that_cannot_be_read_is_counted_not_raised(tmp_path, monkeypatch):
+    """The size is read on each rank by itself after the ranks agreed on the commit: raising there on one
+    rank would leave the others waiting at the next collective."""
+    config = small_config(tmp_path)
+    trainer = Trainer(config, init_distributed())
+    metrics = WorkerMetrics(100)
+    saver = Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, 0, 1, None, metrics)
+    du = LocalFileSystem.du
+
+    def failing(fs, path, *args, **kwargs):
+        if re.search(r"step-\d+$", str(path)):  # a committed snapshot's folder
+            raise OSError("injected: the listing failed")
+        return du(fs, path, *args, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "du", failing)
+    assert saver.save(StreamState(step=1)).step == 1
+    assert metrics.registry.get_sample_value("streamtrain_checkpoint_size_failures_total") == 1
+    assert saver.last_saved_step == 1 and saver.consecutive_failures == 0
+
+
 # --- event time ---------------------------------------------------------------------------------------
 
 
