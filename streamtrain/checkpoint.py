@@ -140,10 +140,12 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
     mmoe's experts; not the labels, loss weights or which labels are required.
 
     Left out, because a snapshot stays right across them: the wire format, the registry and
-    credentials, sharding constraints (DCP reshards), batch size, learning rates, metrics.
+    credentials, sharding constraints (DCP reshards), batch size, learning rates, metrics. For a
+    user's model (model.module), also what only the built-ins read (``_BUILT_IN_ONLY``): its
+    factory builds from the tables, the dense inputs, the tasks and model.options (docs/models.md).
     """
     schema = load_schema(config.features.resolved_schema_path())
-    return {
+    fingerprint = {
         "version": FINGERPRINT_VERSION,
         "tables": {
             t.name: {
@@ -175,6 +177,27 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
             else {}
         ),
     }
+    if config.model.module is None:
+        return fingerprint
+    # the tasks' names and count: the module's output has a logit per task, and may name a tower after each
+    return {**_without_built_in_only(fingerprint), "tasks": [t.name for t in config.tasks()]}
+
+
+# What only the built-in architectures read: their dense and over arches and model.multitask's heads.
+_BUILT_IN_ONLY = ("dense_arch_layer_sizes", "over_arch_layer_sizes", "heads")
+
+
+def _without_built_in_only(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fingerprint.items() if k not in _BUILT_IN_ONLY}
+
+
+def _as_user_model_fingerprint(theirs: dict[str, Any]) -> dict[str, Any]:
+    """A user's model's fingerprint as this version writes it, from one written before, which held
+    the built-ins' settings too, and the tasks only in its heads (which named a single task not at
+    all: None then, and the task count is left to the load's shape check)."""
+    if "tasks" in theirs:
+        return theirs
+    return {**_without_built_in_only(theirs), "tasks": theirs.get("heads", _DLRM_HEADS).get("tasks")}
 
 
 def _architecture(config: WorkerConfig) -> dict[str, Any]:
@@ -224,9 +247,16 @@ def fingerprint_differences(ours: dict[str, Any], theirs: dict[str, Any], config
             if changed
             else []
         )
+    if "module" in ours.get("net", {}) and "module" in theirs.get("net", {}):
+        theirs = _as_user_model_fingerprint(theirs)
+        if theirs["tasks"] is None:
+            ours = {k: v for k, v in ours.items() if k != "tasks"}
+            theirs = {k: v for k, v in theirs.items() if k != "tasks"}
+    else:
+        theirs = {"heads": _DLRM_HEADS, **theirs}
     return [
         _before_buckets(name) if name is not None else difference
-        for difference in _differences(ours, {"heads": _DLRM_HEADS, **theirs}, "")
+        for difference in _differences(ours, theirs, "")
         for name in [_table_without_buckets(difference, theirs)]
     ]
 
