@@ -5,6 +5,7 @@ nothing after it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -188,17 +189,22 @@ def test_sigkill_of_the_launchers_group_kills_every_rank_and_export_and_nothing_
 
     processes = launcher.wait_for(running, timeout=240, what="2 ranks training and an export child")
     os.killpg(launcher.process.pid, signal.SIGKILL)  # the launcher's group, as a supervisor kills it
-    assert launcher.process.wait(timeout=10) == -signal.SIGKILL
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not all(gone(pid) for pid in processes):
-        time.sleep(0.1)
-    alive = {pid: command for pid, command in processes.items() if not gone(pid)}
-    assert not alive, f"outlived their launcher: {alive}"
+    try:
+        assert launcher.process.wait(timeout=10) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(gone(pid) for pid in processes):
+            time.sleep(0.1)
+        alive = {pid: command for pid, command in processes.items() if not gone(pid)}
+        assert not alive, f"outlived their launcher: {alive}"
 
-    before = state(root, deltas), committed_offsets(kafka, topic_name, f"group-{topic_name}")
-    time.sleep(6)  # the live stream goes on: a rank still running would snapshot every 2 steps
-    assert producer.running
-    assert (state(root, deltas), committed_offsets(kafka, topic_name, f"group-{topic_name}")) == before
+        before = state(root, deltas), committed_offsets(kafka, topic_name, f"group-{topic_name}")
+        time.sleep(6)  # the live stream goes on: a rank still running would snapshot every 2 steps
+        assert producer.running
+        assert (state(root, deltas), committed_offsets(kafka, topic_name, f"group-{topic_name}")) == before
+    finally:  # the fixture kills a launcher's ranks only while the launcher lives
+        for pid in processes:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.integration
@@ -216,8 +222,13 @@ def test_a_stop_that_outlasts_the_grace_exits_3_after_the_grace_not_torchs_30s(k
     os.kill(max(ranks), signal.SIGSTOP)  # a rank that cannot stop: frozen (its peer waits on it)
     stopped = time.monotonic()
     launcher.signal(signal.SIGTERM)
-    assert launcher.wait(timeout=60) == ExitCode.SHUTDOWN_TIMEOUT, launcher.output()[-3000:]
-    took = time.monotonic() - stopped
-    print(f"the launcher exited {took:.1f}s after SIGTERM, with a grace of {grace}s")
-    assert took < 25  # the grace and a margin, not torch's fixed 30 s
-    assert all(gone(pid) for pid in ranks)
+    try:
+        assert launcher.wait(timeout=60) == ExitCode.SHUTDOWN_TIMEOUT, launcher.output()[-3000:]
+        took = time.monotonic() - stopped
+        print(f"the launcher exited {took:.1f}s after SIGTERM, with a grace of {grace}s")
+        assert took < 25  # the grace and a margin, not torch's fixed 30 s
+        assert all(gone(pid) for pid in ranks)
+    finally:
+        for pid in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
