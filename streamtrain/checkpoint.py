@@ -4,9 +4,10 @@ A snapshot is a consistent cut: it is taken between two pipeline steps, so the w
 updates of exactly the batches whose positions it records. It is written asynchronously
 (``dcp.async_save`` on a gloo group of its own, one save in flight) under
 ``step-<N>.partial/``; once every rank's writes are done, rank 0 adds ``streamtrain.json`` and
-renames the folder to ``step-<N>``, then points ``latest`` at it. Restoring loads the newest
-snapshot that every rank verifies and loads, skipping partial or damaged ones with a warning, and
-the consumer starts from the positions in it, never from the consumer group's committed offsets.
+renames the folder to ``step-<N>``, then points ``latest`` at it. Restoring loads the snapshot
+committed last that every rank verifies and loads, skipping partial or damaged ones with a
+warning, and the consumer starts from the positions in it, never from the consumer group's
+committed offsets.
 If snapshots exist and none loads, the worker refuses to start (``RestoreRefused``) rather than
 train from scratch beside them; ``--fresh-start`` moves them aside first. A snapshot that fails to
 write is counted and removed, and the next trigger tries again. Commits go through
