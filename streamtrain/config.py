@@ -298,7 +298,7 @@ class TableConfig(_Strict):
         description="Look this feature's ids up in another entry's table: one embedding per id for both (a "
         "user's recent categories and the ad's category), so their dot product in DLRM's interaction is large "
         "exactly when the ad's category is among the recent ones. num_embeddings, embedding_dim, pooling and "
-        "id_mapping must match the owner's; sharding is the owner's.",
+        "id_mapping must match the owner's, which cannot be managed; sharding is the owner's.",
     )
 
     @model_validator(mode="before")
@@ -468,6 +468,14 @@ class FeaturesConfig(_Strict):
                 )
         for i, table in shared:
             owner = by_name[str(table.shares_table_with)]
+            if owner.id_mapping == "managed":
+                # One table would take rows from two id maps, each giving away rows the other holds.
+                raise ValueError(
+                    f"features.tables.{i}.shares_table_with: {owner.name} is managed (id_mapping: managed), and a "
+                    f"managed table's rows are given by its own feature's id map, which the sharing feature's ids "
+                    f"are not in; give {table.name} a table of its own (remove shares_table_with), or map both "
+                    f"with hash or modulo"
+                )
             for key in ("num_embeddings", "embedding_dim", "pooling", "id_mapping"):
                 if getattr(table, key) != getattr(owner, key):
                     raise ValueError(
@@ -1051,14 +1059,17 @@ class WorkerConfig(_Strict):
             owners = {t.shares_table_with or t.name for t in (candidate, history)}
             if len(owners) == 1:  # one table: a row is one id for both
                 continue
-            # Managed rows are given per table as ids arrive, so equal rows of two tables are unrelated ids.
+            # Managed rows are given per table as ids arrive, so equal rows of two tables are unrelated ids,
+            # and a managed table is shared by no other feature.
             same_mapping = candidate.id_mapping == history.id_mapping != "managed"
             if not same_mapping or candidate.num_embeddings != history.num_embeddings:
+                managed = "managed" in (candidate.id_mapping, history.id_mapping)
+                share = "" if managed else f", or set features.tables: shares_table_with on {match.history!r}"
                 raise ValueError(
                     f"{where}: {match.candidate!r} ({candidate.id_mapping}, {candidate.num_embeddings} rows) and "
                     f"{match.history!r} ({history.id_mapping}, {history.num_embeddings} rows) map ids to rows "
                     f"differently, so equal rows would not mean equal ids; give them the same num_embeddings and "
-                    f"id_mapping (not managed), or set features.tables: shares_table_with on {match.history!r}"
+                    f"id_mapping (hash or modulo: a managed table gives rows per table){share}"
                 )
         return self
 

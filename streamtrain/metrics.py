@@ -433,6 +433,11 @@ class WorkerMetrics:
             "Old snapshots that retention could not remove (the commit before it stands).",
             registry=registry,
         )
+        self.checkpoint_size_failures = Counter(
+            "streamtrain_checkpoint_size_failures",
+            "Committed snapshots whose size could not be read (the commit stands; the bytes gauge keeps the last).",
+            registry=registry,
+        )
         self.event_times_clamped = Counter(
             "streamtrain_event_times_clamped",
             "Events whose event time lay beyond wall time + features.max_event_time_skew_seconds, "

@@ -21,6 +21,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from confluent_kafka.admin import ClusterMetadata
 
 from streamtrain.config import KafkaConfig
+from streamtrain.exitcodes import ExitCode
+from streamtrain.launch import exit_if_orphaned
 from streamtrain.rdkafka import FetchedMessage, FetchQueue
 from streamtrain.retry import Backoff, retry
 
@@ -28,15 +30,12 @@ log = logging.getLogger(__name__)
 # librdkafka's own log lines, at their levels, instead of raw lines on stderr.
 KAFKA_LOG = logging.getLogger("streamtrain.kafka")
 
-EXIT_UNREACHABLE = 4
-EXIT_LOGIN_REFUSED = 5
-
 
 class KafkaUnavailable(RuntimeError):
     """Kafka cannot be read at all: no broker answered at start-up, or the brokers refused the login.
     ``exit_code`` is what the worker exits with (docs/operating.md, Exit codes)."""
 
-    def __init__(self, message: str, exit_code: int):
+    def __init__(self, message: str, exit_code: ExitCode):
         super().__init__(message)
         self.exit_code = exit_code
 
@@ -362,12 +361,12 @@ class KafkaSource:
                 raise KafkaUnavailable(
                     f"the Kafka brokers at {self.config.bootstrap_servers} refused the login: "
                     f"{self.login_refused}; check kafka.client_config and client_config_files",
-                    EXIT_LOGIN_REFUSED,
+                    ExitCode.LOGIN_REFUSED,
                 ) from error
             raise KafkaUnavailable(
                 f"no Kafka broker at {self.config.bootstrap_servers} answered within {timeout:.0f}s "
                 f"(kafka.connect_timeout_seconds): {error.args[0].str()}",
-                EXIT_UNREACHABLE,
+                ExitCode.KAFKA_UNREACHABLE,
             ) from error
 
     def _client_error(self, error: KafkaError) -> None:
@@ -485,6 +484,7 @@ class KafkaSource:
 
     def commit(self, next_offsets: dict[int, int]) -> None:
         """Record trained positions in the consumer group, for lag dashboards; never blocks."""
+        exit_if_orphaned("committing offsets")  # a replacement worker may be committing by now
         if next_offsets:
             self.consumer.commit(
                 offsets=[TopicPartition(self.topic, p, o) for p, o in next_offsets.items()], asynchronous=True

@@ -17,19 +17,15 @@ import numpy as np
 import torch.distributed as dist
 
 from streamtrain.batch import Prefetcher
-from streamtrain.checkpoint import (
-    EXIT_RESTORE_REFUSED,
-    EXIT_SNAPSHOTS_FAILING,
-    Checkpointer,
-    RestoreRefused,
-    SnapshotsFailing,
-)
+from streamtrain.checkpoint import Checkpointer, RestoreRefused, SnapshotsFailing
 from streamtrain.config import WorkerConfig
 from streamtrain.deadletter import Rejections
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.artifact import check_exportable
 from streamtrain.delivery.publisher import Publisher
 from streamtrain.device import decode_threads, gloo_group, init_distributed
+from streamtrain.exitcodes import ExitCode
+from streamtrain.launch import record_exit
 from streamtrain.lockstep import Lockstep, SnapshotSchedule
 from streamtrain.metrics import Health, WorkerMetrics
 from streamtrain.registry import schema_source
@@ -217,7 +213,7 @@ def run_worker(
             )  # fmt: skip
         except RestoreRefused as error:  # raised on every rank
             log.error("%s", error)
-            outcome.exit_code = EXIT_RESTORE_REFUSED
+            outcome.exit_code = ExitCode.RESTORE_REFUSED
         finally:
             shutdown.begin()  # a signal or the end of training began it already; else a failure
     for observer in observers:
@@ -363,7 +359,7 @@ def _run(
         lag=lambda: prefetcher.lag.total,
         event_time_bound=config.features.event_time_bound_ms,
     )
-    exit_code = 0
+    exit_code = ExitCode.OK
     prefetcher.start()
     try:
         with progress:
@@ -379,7 +375,7 @@ def _run(
                 snapshots.act(agreed)
     except SnapshotsFailing as error:  # raised on every rank at the same step
         log.error("rank %d: %s", env.rank, error)
-        exit_code = EXIT_SNAPSHOTS_FAILING
+        exit_code = ExitCode.SNAPSHOTS_FAILING
     except RuntimeError as error:
         if not _is_collective_failure(error):
             raise
@@ -389,7 +385,7 @@ def _run(
             config.distributed.timeout_seconds,
             str(error).splitlines()[0] if str(error) else error,
         )
-        exit_code = 1
+        exit_code = ExitCode.FAILED
     finally:
         shutdown.begin()  # a signal began it already; else the end of the stream, max_events or a peer's stop
         prefetcher.join(timeout=shutdown.remaining())
@@ -485,4 +481,5 @@ def _give_up(grace: float) -> None:
         "shutdown did not finish within %gs (distributed.shutdown_grace_seconds); exiting without a clean close", grace
     )
     logging.shutdown()
-    os._exit(3)
+    record_exit(ExitCode.SHUTDOWN_TIMEOUT)
+    os._exit(ExitCode.SHUTDOWN_TIMEOUT)

@@ -50,6 +50,7 @@ from streamtrain.checkpoint import DeliveryPosition, StreamState
 from streamtrain.config import DeliveryConfig, KafkaConfig, WorkerConfig
 from streamtrain.delivery.deltas import Delta, DeltaId, DensePiece, IdPiece, RowPiece, encode
 from streamtrain.delivery.spec import MANIFEST, delta_name, parse_base, parse_delta, parse_manifest, part_name
+from streamtrain.launch import child_environment
 from streamtrain.lockstep import Question
 from streamtrain.models.base import TABLE_ATTRIBUTES
 from streamtrain.source import KAFKA_LOG
@@ -439,7 +440,9 @@ class BaseExports:
         output = tempfile.TemporaryFile()  # noqa: SIM115 - the watcher reads and closes it
         self.pinned.add(step)
         try:
-            process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            process = subprocess.Popen(
+                command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_environment()
+            )  # it dies with this rank
         except OSError as error:
             output.close()
             self.pinned.discard(step)
