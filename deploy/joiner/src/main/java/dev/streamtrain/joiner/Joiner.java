@@ -60,8 +60,12 @@ public final class Joiner {
             log.error("joiner: stopping on an error; what was not committed is redone on restart", error);
             return StreamsUncaughtExceptionHandler.StreamThreadExceptionResponse.SHUTDOWN_CLIENT;
         });
-        Thread shutdown = new Thread(() -> streams.close(Duration.ofSeconds(30)), "joiner-shutdown");
-        Runtime.getRuntime().addShutdownHook(shutdown);
+        // SIGTERM: close, committing what was handled, and exit 0 as for any requested stop. halt, as
+        // System.exit inside a shutdown hook would wait for the hooks to end, this one among them.
+        Runtime.getRuntime().addShutdownHook(new Thread(() -> {
+            boolean closed = streams.close(Duration.ofSeconds(30));
+            Runtime.getRuntime().halt(closed && streams.state() != KafkaStreams.State.ERROR ? 0 : 1);
+        }, "joiner-shutdown"));
         log.info("joiner: {} + {} -> {} (rejects: {}), tasks {}, impressions kept {}", settings.impressionsTopic,
                 settings.actionsTopic, settings.samplesTopic, settings.rejectsTopic.orElse("counted only"),
                 settings.windows.entrySet().stream().map(e -> e.getKey() + " within " + e.getValue())
