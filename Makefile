@@ -7,6 +7,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 KAFKA_VERSION := 4.1.1
 KAFKA_LIBS := .cache/kafka/$(KAFKA_VERSION)/libs
+JOINER_DIR := .cache/joiner
 # Which fbgemm_gpu to install: the CUDA build (requirements/cuda.txt) on hosts where nvidia-smi
 # answers, else the CPU one (requirements/cpu.txt). Override with STREAMTRAIN_CUDA=1 or 0, or run
 # `make setup-cuda`. The worker picks its device from what is installed (distributed.device: auto).
@@ -18,7 +19,7 @@ STAMP := $(VENV)/.stamp-$(VARIANT)
 .PHONY: setup setup-cuda lint test docs demo kafka clean
 .DEFAULT_GOAL := setup
 
-setup: $(STAMP) $(KAFKA_LIBS)/.stamp .cache/prometheus.stamp
+setup: $(STAMP) $(KAFKA_LIBS)/.stamp $(JOINER_DIR)/libs/.stamp .cache/prometheus.stamp
 
 setup-cuda:
 	$(MAKE) setup STREAMTRAIN_CUDA=1
@@ -39,6 +40,12 @@ $(STAMP): requirements/$(VARIANT).txt requirements/common.txt requirements/torch
 
 $(KAFKA_LIBS)/.stamp: deploy/kafka/pom.xml
 	mvn --batch-mode --quiet -f deploy/kafka/pom.xml package
+	touch $@
+
+# The late-label joiner (deploy/joiner/, Kafka Streams): its jar and runtime jars in $(JOINER_DIR)/libs.
+$(JOINER_DIR)/libs/.stamp: deploy/joiner/pom.xml $(shell find deploy/joiner/src -type f)
+	rm -rf $(JOINER_DIR)/libs
+	mvn --batch-mode --quiet -f deploy/joiner/pom.xml package -Djoiner.dir=$(abspath $(JOINER_DIR))
 	touch $@
 
 # Debian's Prometheus, for the tests that scrape a live worker and evaluate the dashboard's queries.

@@ -428,7 +428,10 @@ class KafkaSource:
         if self.until_end and len(events):
             events = self._before_end(events)
         for partition in partitions_in(events.partitions):
-            self.next_offset[partition] = int(events.offsets[events.partitions == partition].max()) + 1
+            # max: a partition's EOF, met while filtering this same batch, may already lie past its
+            # last message (a transaction's marker follows it).
+            last = int(events.offsets[events.partitions == partition].max())
+            self.next_offset[partition] = max(self.next_offset[partition], last + 1)
         self.consumed += len(events)
         return events
 
