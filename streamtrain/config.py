@@ -890,8 +890,22 @@ class DeadLetterConfig(_Strict):
     topic: str | None = Field(
         default=None,
         min_length=1,
-        description="Unset: <kafka.topic>.dlq. Create it like the source topic: while it cannot be written, "
-        "consumption blocks and retries, so no event is lost.",
+        description="Unset: <kafka.topic>.dlq. Created at start with the topic_* settings when missing; if it "
+        "cannot be, the worker exits 8 with the command that creates it. While it cannot be written, consumption "
+        "blocks and retries, so no event is lost.",
+    )
+    topic_partitions: int = Field(default=1, gt=0, description="The partitions topic is created with.")
+    topic_replication_factor: int | None = Field(
+        default=None,
+        gt=0,
+        description="The replication factor topic is created with. Unset: the larger of the cluster's "
+        "default.replication.factor and kafka.topic's replication factor.",
+    )
+    topic_retention_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="The retention (retention.ms) topic is created with. Unset: the cluster's default "
+        "(log.retention.hours, 7 days unless changed).",
     )
     delivery_timeout_seconds: float = Field(
         default=30.0,
@@ -928,8 +942,15 @@ class DeliveryConfig(_Strict):
     topic: str | None = Field(
         default=None,
         min_length=1,
-        description="The delta topic on kafka.bootstrap_servers; unset: <kafka.topic>.model, created with one "
-        "partition when missing.",
+        description="The delta topic on kafka.bootstrap_servers; unset: <kafka.topic>.model. Created at start when "
+        "missing, with one partition and a retention reaching back to the oldest kept base; if it cannot be, the "
+        "worker exits 8 with the command that creates it.",
+    )
+    topic_replication_factor: int | None = Field(
+        default=None,
+        gt=0,
+        description="The replication factor the delta topic is created with. Unset: the larger of the cluster's "
+        "default.replication.factor and kafka.topic's replication factor.",
     )
     directory: str | None = Field(
         default=None,
