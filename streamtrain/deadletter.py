@@ -6,7 +6,8 @@ thread calls ``write`` before it hands over the batch whose positions cover thos
 position the trainer records (and later commits or snapshots) never covers an event that is in
 neither the model nor the dead-letter topic. A write that fails is retried with exponential
 backoff for as long as it takes: consumption blocks, loudly, and the event is never dropped. The
-topic is made sure of at start (``dead_letter_topic``, ``streamtrain.topics``).
+topic is made sure of at start (``dead_letter_topic``, ``streamtrain.topics``); one deleted while
+the worker runs is created again, with the same settings, at the first write that finds it gone.
 Delivery is at least once: a retried or re-read event can reach the topic twice; the source
 headers identify it.
 
@@ -28,7 +29,7 @@ from streamtrain.config import DeadLetterConfig, KafkaConfig
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.retry import Backoff, retry
 from streamtrain.source import KAFKA_LOG, RawEvent
-from streamtrain.topics import NO_AUTO_CREATE, OutputTopic
+from streamtrain.topics import NO_AUTO_CREATE, OutputTopic, OutputTopicMissing, ensure_topics
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +162,9 @@ class DeadLetterWriter:
                 log.error("the dead-letter producer failed fatally (%s); starting a new one", self._fatal.str())
                 self._producer.purge()
                 self._producer = self._new_producer()
+            # A deleted topic fails a write in several ways (unknown topic or partition, or a plain
+            # timeout while librdkafka waits for its metadata): after any failure, look.
+            self._create_topic_if_gone()
 
         try:
             written = retry(
@@ -187,6 +191,15 @@ class DeadLetterWriter:
                 self.source_topic,
             )
         return written
+
+    def _create_topic_if_gone(self) -> None:
+        """A topic deleted while the worker runs is created again, as at start (one metadata
+        request; the retries' backoff bounds how often)."""
+        try:
+            if ensure_topics(self.kafka, [self.output_topic], self.config.delivery_timeout_seconds, say_existing=False):
+                log.warning("the dead-letter topic %s was gone while the worker ran: created it again", self.topic)
+        except OutputTopicMissing as error:
+            log.error("%s", error)
 
     def _attempt(
         self, pending: list[tuple[RawEvent, str]], stopping: threading.Event

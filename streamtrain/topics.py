@@ -53,36 +53,40 @@ class OutputTopicMissing(RuntimeError):
     exit_code = ExitCode.OUTPUT_TOPIC_MISSING
 
 
-def ensure_topics(kafka: KafkaConfig, topics: Sequence[OutputTopic], timeout: float) -> list[str]:
+def ensure_topics(
+    kafka: KafkaConfig, topics: Sequence[OutputTopic], timeout: float, *, say_existing: bool = True
+) -> list[str]:
     """Creates those of ``topics`` that are missing; returns their names. Raises
-    ``OutputTopicMissing`` naming each that is missing and could not be created."""
+    ``OutputTopicMissing`` naming each that is missing and could not be created. ``say_existing``:
+    log what the existing ones are (at start), or nothing about them (a writer's check)."""
     if not topics:
         return []
     admin = AdminClient({"broker.address.family": "v4", **kafka.librdkafka(), "logger": KAFKA_LOG, **NO_AUTO_CREATE})
-    cluster = _Replication.of(admin, kafka.topic, timeout)
-    missing, problems = [], []
+    existing, missing, unreadable = [], [], []
     for topic in topics:
         try:
             metadata = admin.list_topics(topic.name, timeout=timeout).topics.get(topic.name)
         except KafkaException as error:
-            problems.append(_cannot(topic, _reason(error), kafka, cluster, checked=False))
+            unreadable.append((topic, _reason(error)))
             continue
         refused = metadata.error if metadata is not None else None
         if metadata is not None and refused is None and metadata.partitions:
-            cluster.check_existing(topic, metadata.partitions)
+            existing.append((topic, metadata.partitions))
         elif refused is None or refused.code() in (KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError._UNKNOWN_TOPIC):
             missing.append(topic)
         else:  # e.g. TOPIC_AUTHORIZATION_FAILED: creating it would not help
-            problems.append(_cannot(topic, refused.str(), kafka, cluster, checked=False))
+            unreadable.append((topic, refused.str()))
+    if not (missing or unreadable or (existing and say_existing)):
+        return []
+    cluster = _Replication.of(admin, kafka.topic, timeout)
+    if say_existing:
+        for topic, partitions in existing:
+            cluster.say_existing(topic, partitions)
+    problems = [_cannot(topic, reason, kafka, cluster, checked=False) for topic, reason in unreadable]
     created = []
     if missing:
         futures = admin.create_topics(
-            [
-                NewTopic(
-                    t.name, num_partitions=t.partitions, replication_factor=cluster.factor(t), config=dict(t.configs)
-                )
-                for t in missing
-            ],
+            [NewTopic(t.name, t.partitions, cluster.factor(t), config=dict(t.configs)) for t in missing],
             operation_timeout=timeout,
             request_timeout=timeout,
         )
@@ -187,7 +191,7 @@ class _Replication:
         known.append(f"the source topic's is {self.source}" if self.source is not None else "")
         return "; ".join(k for k in known if k) or "neither the cluster's default nor the source topic's is known"
 
-    def check_existing(self, topic: OutputTopic, partitions: Mapping[int, PartitionMetadata]) -> None:
+    def say_existing(self, topic: OutputTopic, partitions: Mapping[int, PartitionMetadata]) -> None:
         replication = min(len(p.replicas) for p in partitions.values())
         log.info(
             "the %s topic %s exists: %d partition(s), replication factor %d",

@@ -437,6 +437,15 @@ def accepting(kafka, topic: str) -> None:
     admin.incremental_alter_configs([resource])[resource].result(timeout=30)
 
 
+def described(kafka, topic: str) -> tuple[int, int, str]:
+    """The topic's partitions, replication factor and retention.ms."""
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers, "broker.address.family": "v4"})
+    partitions = admin.list_topics(topic, timeout=30).topics[topic].partitions
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+    retention = admin.describe_configs([resource])[resource].result(timeout=30)["retention.ms"].value
+    return len(partitions), min(len(p.replicas) for p in partitions.values()), retention
+
+
 @pytest.mark.integration
 def test_an_unwritable_dead_letter_topic_blocks_consumption_until_it_can_be_written(kafka, topic_name, start_worker):
     dlq = topic_name + ".dlq"
@@ -480,6 +489,44 @@ def test_an_unwritable_dead_letter_topic_blocks_consumption_until_it_can_be_writ
     assert [(m.key(), m.value(), dict(m.headers())[HEADER_OFFSET]) for m in letters] == [
         (b"bad", truncated.value, b"%d" % bad_offset)
     ]
+
+
+@pytest.mark.integration
+def test_the_dead_letter_topic_is_created_at_start_and_again_if_deleted_while_the_worker_runs(
+    kafka, topic_name, start_worker
+):
+    dlq = topic_name + ".dlq"  # not created: the worker creates it with these settings
+    valid = valid_messages(400, seed=15)
+    send(kafka, topic_name, 1, valid[:200])
+    worker = start_worker(
+        topic_name, config=DLQ_CONFIG, env=dlq_env(dlq, topic_partitions=2, topic_retention_seconds=172800)
+    )
+    worker.wait_for(
+        lambda: worker.total("streamtrain_events_trained_total") == 200, timeout=90, what="the first events trained"
+    )
+    assert described(kafka, dlq) == (2, 1, "172800000")
+    assert f"created the dead-letter topic {dlq}: 2 partition(s), replication factor 1" in worker.output()
+
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers, "broker.address.family": "v4"})
+    admin.delete_topics([dlq])[dlq].result(timeout=30)
+    truncated = Sent(b"bad", _encode(ClickStream(seed=4).chunk(1).records[0])[:10], BASE_TIME_MS + 5, [], "truncated")
+    send(kafka, topic_name, 1, [truncated] + valid[200:])
+    worker.wait_for(
+        lambda: (
+            worker.total("streamtrain_events_trained_total") == len(valid)
+            and worker.total("streamtrain_dead_letter_events_total") == 1
+        ),
+        timeout=90,
+        what="the dead letter written to the topic created again, and the rest trained",
+    )
+    samples = worker.scrape()
+    assert worker.total("streamtrain_dead_letter_produce_failures_total", samples) >= 1  # counted, not silent
+    assert samples["streamtrain_dead_letter_blocked"] == 0
+    assert f"the dead-letter topic {dlq} was gone while the worker ran: created it again" in worker.output()
+    assert described(kafka, dlq) == (2, 1, "172800000")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
+    assert [m.value() for m in read_all(kafka, dlq, 2)] == [truncated.value]
 
 
 @pytest.mark.integration
