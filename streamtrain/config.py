@@ -102,6 +102,13 @@ class KafkaConfig(_ClientProperties):
         "with a timezone, or epoch milliseconds), i.e. each partition's first message whose timestamp is at or "
         "after it. Unset: the group's committed offsets (only without checkpoint.path), else the earliest.",
     )
+    partition_discovery_seconds: float = Field(
+        default=10.0,
+        ge=0,
+        description="How often each rank asks for the topic's partition count (one metadata request). Partitions "
+        "added while the worker runs are read from their beginning by the rank partition % world size names. "
+        "0: never; they are read after a restart.",
+    )
     fetch_queue: bool = Field(
         default=True,
         description="Read fetched messages through librdkafka's queue API into arrays (streamtrain/rdkafka.py); "

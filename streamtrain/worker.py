@@ -333,9 +333,7 @@ def _run(
     prefetcher = Prefetcher(
         source, decoder, config.batching, metrics, rejections, config.metrics.lag_refresh_seconds, device=env.device
     )
-    snapshots = SnapshotSchedule(
-        config, checkpointer, restored, source.next_offset, source.partitions, commit=prefetcher.commits.offer
-    )
+    snapshots = SnapshotSchedule(config, checkpointer, restored, source.next_offset, commit=prefetcher.commits.offer)
     publisher = None
     if checkpointer and config.delivery.enabled:
         publisher = Publisher(
