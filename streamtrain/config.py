@@ -901,18 +901,20 @@ class DeadLetterConfig(_Strict):
         "cannot be, the worker exits 8 with the command that creates it. While it cannot be written, consumption "
         "blocks and retries, so no event is lost.",
     )
-    topic_partitions: int = Field(default=1, gt=0, description="The partitions topic is created with.")
+    topic_partitions: int = Field(
+        default=1, gt=0, description="The dead-letter topic's partitions, when the worker creates it."
+    )
     topic_replication_factor: int | None = Field(
         default=None,
         gt=0,
-        description="The replication factor topic is created with. Unset: the larger of the cluster's "
-        "default.replication.factor and kafka.topic's replication factor.",
+        description="The dead-letter topic's replication factor, when the worker creates it. Unset: the larger of "
+        "the cluster's default.replication.factor and kafka.topic's replication factor.",
     )
     topic_retention_seconds: float | None = Field(
         default=None,
         gt=0,
-        description="The retention (retention.ms) topic is created with. Unset: the cluster's default "
-        "(log.retention.hours, 7 days unless changed).",
+        description="The dead-letter topic's retention (retention.ms), when the worker creates it. Unset: the "
+        "cluster's default (log.retention.hours, 7 days unless changed).",
     )
     delivery_timeout_seconds: float = Field(
         default=30.0,
@@ -956,8 +958,8 @@ class DeliveryConfig(_Strict):
     topic_replication_factor: int | None = Field(
         default=None,
         gt=0,
-        description="The replication factor the delta topic is created with. Unset: the larger of the cluster's "
-        "default.replication.factor and kafka.topic's replication factor.",
+        description="The delta topic's replication factor, when the worker creates it. Unset: the larger of the "
+        "cluster's default.replication.factor and kafka.topic's replication factor.",
     )
     directory: str | None = Field(
         default=None,

@@ -10,8 +10,8 @@ import re
 import pytest
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from conftest import SCHEMA
-from streamtrain.config import DeliveryConfig, KafkaConfig
+from conftest import REPO, SCHEMA
+from streamtrain.config import ConfigError, DeliveryConfig, KafkaConfig, load_config
 from streamtrain.delivery.publisher import delta_topic
 from streamtrain.dev.produce import produce
 from streamtrain.exitcodes import ExitCode
@@ -109,3 +109,14 @@ def test_an_existing_output_topic_is_used_as_it_is_and_a_low_replication_factor_
     assert "has replication factor 1, below the 2 it would be created with (dead_letter.topic_replication_factor)" in (
         caplog.text
     )
+
+
+@pytest.mark.parametrize(
+    "field",
+    ["dead_letter.topic_partitions", "dead_letter.topic_replication_factor", "delivery.topic_replication_factor"],
+)
+def test_a_topic_setting_below_one_is_refused_naming_the_field(field):
+    section, name = field.split(".")
+    variable = f"STREAMTRAIN_{section.upper()}__{name.upper()}"
+    with pytest.raises(ConfigError, match=rf"{re.escape(field)}: Input should be greater than 0"):
+        load_config(REPO / "tests" / "worker-small.yaml", environ={variable: "0"})
