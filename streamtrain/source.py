@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 # librdkafka's own log lines, at their levels, instead of raw lines on stderr.
 KAFKA_LOG = logging.getLogger("streamtrain.kafka")
 
-# A metadata request that takes longer is given up, and asked again at the next look.
+# A request while looking for new partitions that takes longer is given up, and asked again at the
+# next look.
 DISCOVERY_TIMEOUT_SECONDS = 5.0
 
 EXIT_UNREACHABLE = 4
@@ -250,7 +251,6 @@ class KafkaSource:
         self.world_size = world_size
         self.restored = start_offsets
         self.committed = committed
-        self.metadata_timeout = metadata_timeout
         self.on_error = on_error
         self.brokers_down = False
         self.login_refused: str | None = None
@@ -310,7 +310,7 @@ class KafkaSource:
         self.consumed = 0
         self.fetch_queue: FetchQueue | None = None
         self.reads_fetch_queue = config.fetch_queue  # until FetchQueue.attach refuses this consumer
-        self._assign(starts, self.consumer.assign)
+        self._assign(starts, self.consumer.assign, metadata_timeout)
         log.info(
             "rank %d/%d owns partitions %s of %s (of %d); starting at %s (%s)",
             rank,
@@ -322,19 +322,22 @@ class KafkaSource:
             origin,
         )
 
-    def _assign(self, starts: list[TopicPartition], assign: Callable[[list[TopicPartition]], None]) -> None:
+    def _assign(
+        self, starts: list[TopicPartition], assign: Callable[[list[TopicPartition]], None], timeout: float
+    ) -> None:
         """Reads each partition of ``starts`` from its offset there (none: its earliest), through
-        ``assign``: the consumer's assign at start, incremental_assign for partitions added later."""
+        ``assign``: the consumer's assign at start, incremental_assign for partitions added later.
+        ``timeout`` bounds each offset request."""
         assignment = []
         for tp in starts:
             start = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
             assignment.append(TopicPartition(self.topic, tp.partition, start))
             if start == OFFSET_BEGINNING:
-                start, _high = self.consumer.get_watermark_offsets(tp, timeout=self.metadata_timeout)
+                start, _high = self.consumer.get_watermark_offsets(tp, timeout=timeout)
             self.next_offset[tp.partition] = start
             if self.until_end:
                 _low, self.end_offset[tp.partition] = self.consumer.get_watermark_offsets(
-                    tp, timeout=self.metadata_timeout, cached=False
+                    tp, timeout=timeout, cached=False
                 )
         # Before the assignment starts fetching: see streamtrain.rdkafka.
         partitions = [tp.partition for tp in starts]
@@ -346,8 +349,8 @@ class KafkaSource:
                 self.fetch_queue.forward(partitions)
         assign(assignment)
 
-    def _committed_offsets(self, partitions: list[int]) -> list[TopicPartition]:
-        return self.consumer.committed([TopicPartition(self.topic, p) for p in partitions], timeout=5)
+    def _committed_offsets(self, partitions: list[int], timeout: float = 5.0) -> list[TopicPartition]:
+        return self.consumer.committed([TopicPartition(self.topic, p) for p in partitions], timeout=timeout)
 
     def pick_up_new_partitions(self) -> list[int]:
         """Looks for partitions added to the topic, at most every ``kafka.partition_discovery_seconds``
@@ -365,7 +368,9 @@ class KafkaSource:
                 p for p in sorted(found.partitions) if p >= self.topic_partitions and p % self.world_size == self.rank
             ]
             if mine and not self.until_end:
-                self._assign(self._later_starts(mine), self.consumer.incremental_assign)
+                # A request that outlasts the look's bound (a new partition's leader not elected yet)
+                # leaves the polling thread free: the next look tries again.
+                self._assign(self._later_starts(mine), self.consumer.incremental_assign, DISCOVERY_TIMEOUT_SECONDS)
         except KafkaException as error:
             log.warning(
                 "looking for partitions added to %s failed (%s); looking again in %gs", self.topic, error, interval
@@ -394,7 +399,7 @@ class KafkaSource:
         if self.restored is not None:
             return [TopicPartition(self.topic, p, self.restored.get(p, OFFSET_BEGINNING)) for p in partitions]
         if self.committed:
-            return self._committed_offsets(partitions)
+            return self._committed_offsets(partitions, DISCOVERY_TIMEOUT_SECONDS)
         return [TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in partitions]
 
     def _positions_at(self, position: Literal["earliest", "latest"] | int, timeout: float) -> list[TopicPartition]:
