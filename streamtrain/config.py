@@ -102,6 +102,13 @@ class KafkaConfig(_ClientProperties):
         "with a timezone, or epoch milliseconds), i.e. each partition's first message whose timestamp is at or "
         "after it. Unset: the group's committed offsets (only without checkpoint.path), else the earliest.",
     )
+    partition_discovery_seconds: float = Field(
+        default=10.0,
+        ge=0,
+        description="How often each rank asks for the topic's partition count (one metadata request). Partitions "
+        "added while the worker runs are read from their beginning by the rank partition % world size names. "
+        "0: never; they are read after a restart.",
+    )
     fetch_queue: bool = Field(
         default=True,
         description="Read fetched messages through librdkafka's queue API into arrays (streamtrain/rdkafka.py); "
@@ -904,8 +911,24 @@ class DeadLetterConfig(_Strict):
     topic: str | None = Field(
         default=None,
         min_length=1,
-        description="Unset: <kafka.topic>.dlq. Create it like the source topic: while it cannot be written, "
-        "consumption blocks and retries, so no event is lost.",
+        description="Unset: <kafka.topic>.dlq. Created at start with the topic_* settings when missing; if it "
+        "cannot be, the worker exits 8 with the command that creates it. While it cannot be written, consumption "
+        "blocks and retries, so no event is lost.",
+    )
+    topic_partitions: int = Field(
+        default=1, gt=0, description="The dead-letter topic's partitions, when the worker creates it."
+    )
+    topic_replication_factor: int | None = Field(
+        default=None,
+        gt=0,
+        description="The dead-letter topic's replication factor, when the worker creates it. Unset: the larger of "
+        "the cluster's default.replication.factor and kafka.topic's replication factor.",
+    )
+    topic_retention_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="The dead-letter topic's retention (retention.ms), when the worker creates it. Unset: the "
+        "cluster's default (log.retention.hours, 7 days unless changed).",
     )
     delivery_timeout_seconds: float = Field(
         default=30.0,
@@ -942,8 +965,15 @@ class DeliveryConfig(_Strict):
     topic: str | None = Field(
         default=None,
         min_length=1,
-        description="The delta topic on kafka.bootstrap_servers; unset: <kafka.topic>.model, created with one "
-        "partition when missing.",
+        description="The delta topic on kafka.bootstrap_servers; unset: <kafka.topic>.model. Created at start when "
+        "missing, with one partition and a retention reaching back to the oldest kept base; if it cannot be, the "
+        "worker exits 8 with the command that creates it.",
+    )
+    topic_replication_factor: int | None = Field(
+        default=None,
+        gt=0,
+        description="The delta topic's replication factor, when the worker creates it. Unset: the larger of the "
+        "cluster's default.replication.factor and kafka.topic's replication factor.",
     )
     directory: str | None = Field(
         default=None,

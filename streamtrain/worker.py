@@ -19,10 +19,10 @@ import torch.distributed as dist
 from streamtrain.batch import Prefetcher
 from streamtrain.checkpoint import Checkpointer, RestoreRefused, SnapshotsFailing
 from streamtrain.config import WorkerConfig
-from streamtrain.deadletter import Rejections
+from streamtrain.deadletter import Rejections, dead_letter_topic
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.artifact import check_exportable
-from streamtrain.delivery.publisher import Publisher
+from streamtrain.delivery.publisher import Publisher, delta_topic
 from streamtrain.device import decode_threads, gloo_group, init_distributed
 from streamtrain.exitcodes import ExitCode
 from streamtrain.launch import record_exit
@@ -30,6 +30,7 @@ from streamtrain.lockstep import Lockstep, SnapshotSchedule
 from streamtrain.metrics import Health, WorkerMetrics
 from streamtrain.registry import schema_source
 from streamtrain.source import KafkaSource
+from streamtrain.topics import OutputTopicMissing, ensure_topics_on_every_rank
 from streamtrain.train import StepResult, Trainer, describe_plan, write_plan_json
 
 log = logging.getLogger(__name__)
@@ -214,6 +215,9 @@ def run_worker(
         except RestoreRefused as error:  # raised on every rank
             log.error("%s", error)
             outcome.exit_code = ExitCode.RESTORE_REFUSED
+        except OutputTopicMissing as error:  # raised on every rank
+            log.error("%s; exiting with code %d", error, error.exit_code)
+            outcome.exit_code = error.exit_code
         finally:
             shutdown.begin()  # a signal or the end of training began it already; else a failure
     for observer in observers:
@@ -301,6 +305,14 @@ def _run(
         on_error=lambda code: metrics.kafka_errors.labels(code).inc(),
     )
     resources.callback(source.close)
+    # Before anything is trained: a topic the worker writes that cannot be made is refused now, not
+    # at the first dead letter or delta, hours later.
+    output_topics = [dead_letter_topic(config.dead_letter, config.kafka)] if config.dead_letter.enabled else []
+    if config.delivery.enabled and not config.delivery.directory:
+        output_topics.append(delta_topic(config.delivery, config.kafka))
+    ensure_topics_on_every_rank(
+        config.kafka, output_topics, config.kafka.connect_timeout_seconds, env.rank, env.world_size, own_group()
+    )
     health.ready = True  # the state is restored and the broker answered the source's metadata request
     health.not_ready_reason = "the Kafka brokers are down"
     decoder = AvroBatchDecoder(
@@ -317,9 +329,7 @@ def _run(
     prefetcher = Prefetcher(
         source, decoder, config.batching, metrics, rejections, config.metrics.lag_refresh_seconds, device=env.device
     )
-    snapshots = SnapshotSchedule(
-        config, checkpointer, restored, source.next_offset, source.partitions, commit=prefetcher.commits.offer
-    )
+    snapshots = SnapshotSchedule(config, checkpointer, restored, source.next_offset, commit=prefetcher.commits.offer)
     publisher = None
     if checkpointer and config.delivery.enabled:
         publisher = Publisher(

@@ -12,11 +12,12 @@ from confluent_kafka import Consumer, Producer, TopicPartition
 
 from conftest import SCHEMA
 from streamtrain.config import DeadLetterConfig, KafkaConfig
-from streamtrain.deadletter import DeadLetterWriter
+from streamtrain.deadletter import DeadLetterWriter, dead_letter_topic
 from streamtrain.dev.kafka import free_port
 from streamtrain.dev.produce import produce
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.source import KAFKA_LOG, KafkaSource, consumer_properties
+from streamtrain.topics import OutputTopicMissing, ensure_topics
 
 
 def test_client_config_overrides_the_consumer_defaults_but_not_what_streamtrain_owns():
@@ -52,7 +53,8 @@ def test_librdkafka_logs_through_python_logging_not_raw_to_stderr(caplog, capfd)
     finally:
         consumer.close()
     writer = DeadLetterWriter(DeadLetterConfig(), dead, WorkerMetrics())
-    writer.check_topic(timeout=1.0)
+    with pytest.raises(OutputTopicMissing, match=r"clicks\.dlq"):
+        ensure_topics(dead, [dead_letter_topic(DeadLetterConfig(), dead)], timeout=1.0)
     writer.close(timeout=1.0)
     from_librdkafka = [r for r in caplog.records if r.name == "streamtrain.kafka"]
     assert any(

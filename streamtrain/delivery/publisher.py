@@ -54,6 +54,7 @@ from streamtrain.launch import child_environment
 from streamtrain.lockstep import Question
 from streamtrain.models.base import TABLE_ATTRIBUTES
 from streamtrain.source import KAFKA_LOG
+from streamtrain.topics import NO_AUTO_CREATE, OutputTopic, ensure_topics
 
 if TYPE_CHECKING:
     from streamtrain.idspace import IdSpace
@@ -191,39 +192,41 @@ class DeltaTarget(Protocol):
     def close(self) -> None: ...
 
 
+def delta_topic(delivery: DeliveryConfig, kafka: KafkaConfig) -> OutputTopic:
+    """The delta topic, as the worker creates it: one partition, so deltas stay in order, keeping
+    what reaches back to the oldest kept base (older deltas serve nobody), with segments rolled often
+    enough for the broker to delete the rest."""
+    retention_ms = int(delivery.delta_retention_seconds() * 1000)
+    return OutputTopic(
+        delivery.resolved_topic(kafka.topic),
+        "delta",
+        "delivery.topic",
+        1,
+        delivery.topic_replication_factor,
+        {"retention.ms": str(retention_ms), "segment.ms": str(min(retention_ms, 3_600_000))},
+    )
+
+
 class TopicTarget:
     """Chunks to a Kafka topic with an idempotent producer and acks=all, each chunk below the
-    topic's ``max.message.bytes``. The topic is created with one partition when missing; nothing
-    connects before the first delta, so an unreachable broker never holds up the worker's start."""
+    topic's ``max.message.bytes``. The worker makes sure of the topic at start
+    (``streamtrain.topics``), and once more when the producer connects, at the first delta."""
 
-    def __init__(self, kafka: KafkaConfig, topic: str, key: str, timeout_seconds: float, retention_seconds: float):
+    def __init__(self, kafka: KafkaConfig, topic: OutputTopic, key: str, timeout_seconds: float):
         self.kafka = kafka
-        self.topic = topic
+        self.output_topic = topic
+        self.topic = topic.name
         self.key = key.encode()
         self.timeout = timeout_seconds
-        self.retention_ms = int(retention_seconds * 1000)
         self.producer: Any = None
         self.max_bytes = 0
 
     def _connect(self) -> None:
         from confluent_kafka import Producer
-        from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+        from confluent_kafka.admin import AdminClient, ConfigResource
 
-        admin = AdminClient({**self.kafka.librdkafka(), "logger": KAFKA_LOG})
-        known = admin.list_topics(self.topic, timeout=self.timeout).topics.get(self.topic)
-        if known is None or known.error is not None:
-            # Deltas older than the oldest kept base serve nobody: the topic keeps what reaches
-            # back to it, and rolls segments often enough for the broker to delete the rest.
-            settings = {"retention.ms": str(self.retention_ms), "segment.ms": str(min(self.retention_ms, 3_600_000))}
-            created = admin.create_topics(
-                [NewTopic(self.topic, num_partitions=1, replication_factor=-1, config=settings)]
-            )[self.topic]
-            try:
-                created.result(timeout=self.timeout)
-                log.info("created the delta topic %s: one partition, retention %d ms", self.topic, self.retention_ms)
-            except Exception as error:
-                if "TOPIC_ALREADY_EXISTS" not in str(error):
-                    raise
+        ensure_topics(self.kafka, [self.output_topic], self.timeout)
+        admin = AdminClient({**self.kafka.librdkafka(), "logger": KAFKA_LOG, **NO_AUTO_CREATE})
         resource = ConfigResource(ConfigResource.Type.TOPIC, self.topic)
         configs = admin.describe_configs([resource])[resource].result(timeout=self.timeout)
         self.max_bytes = int(configs["max.message.bytes"].value)
@@ -231,6 +234,7 @@ class TopicTarget:
             {
                 **self.kafka.librdkafka(),
                 "logger": KAFKA_LOG,
+                **NO_AUTO_CREATE,
                 "enable.idempotence": True,
                 "acks": "all",
                 "message.timeout.ms": int(self.timeout * 1000),
@@ -570,10 +574,9 @@ class Publisher:
                 if delivery.directory
                 else TopicTarget(
                     config.kafka,
-                    delivery.resolved_topic(config.kafka.topic),
+                    delta_topic(delivery, config.kafka),
                     self.model_id,
                     delivery.delivery_timeout_seconds,
-                    delivery.delta_retention_seconds(),
                 )
             )
         self.cuts: queue.Queue[_Cut | None] = queue.Queue(maxsize=1)
