@@ -636,10 +636,7 @@ def export_of(snapshots: Path, step: int, bases: Path, scratch: Path) -> Path:
 
 
 class Stack:
-    """A run's topics and processes on ``cluster``, its files under ``workdir``.
-
-    The dead-letter and delta topics are created here with the cluster's replication factor, as
-    an operator would create them, before the worker starts."""
+    """A run's topics and processes on ``cluster``, its files under ``workdir``."""
 
     def __init__(
         self,
@@ -674,9 +671,9 @@ class Stack:
         return self.cluster.bootstrap_servers
 
     def create_topics(self) -> None:
+        """The input topic, and the dead-letter topic, which the worker never creates: an operator does."""
         self.cluster.create_topic(self.topic, self.partitions)
         self.cluster.create_topic(self.dead_letter_topic, 1)
-        self.cluster.create_topic(self.delta_topic, 1)
 
     def worker_environment(self, metrics_port: int) -> dict[str, str]:
         """The worker's settings, as STREAMTRAIN_SECTION__FIELD: snapshots every 3 s, a delta every
