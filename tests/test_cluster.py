@@ -34,30 +34,52 @@ def cluster():
 
 
 @pytest.fixture
-def stack(cluster, topic_name, tmp_path):
-    cluster.wait_until_fully_replicated(120)  # whatever the test before did to it
-    with Stack(cluster, topic_name, tmp_path, SMALL_CONFIG) as stack:
+def open_stack(cluster, topic_name, tmp_path):
+    """Opens the test's stack on the cluster (once every partition is in sync again, whatever the
+    test before did to it); whatever it started is killed at the end."""
+    opened: list[Stack] = []
+
+    def open_stack(
+        partitions: int = 4, environment: dict[str, str] | None = None, delta_topic_config: dict[str, str] | None = None
+    ) -> Stack:
+        cluster.wait_until_fully_replicated(120)
+        stack = Stack(cluster, topic_name, tmp_path, SMALL_CONFIG, partitions, environment)
+        opened.append(stack)
         stack.create_topics()
         # Created here with replication factor 3, as an operator would: the worker creates a
         # missing delta topic with the brokers' default replication factor, which on many clusters
         # is 1. Once the worker creates it with the cluster's factor, this line can go.
-        cluster.create_topic(stack.delta_topic, 1)
-        yield stack
+        cluster.create_topic(stack.delta_topic, 1, config=delta_topic_config)
+        return stack
+
+    yield open_stack
+    for stack in opened:
+        stack.close()
 
 
-def wait_for(condition: Callable[[], object], timeout: float, what: str, stack: Stack | None = None):
+@pytest.fixture
+def stack(open_stack) -> Stack:
+    return open_stack()
+
+
+def stack_logs(stack: Stack) -> str:
+    return "".join(
+        f"\n--- {name}:\n{run.output()}" for name, run in (("worker", stack.worker), ("serve", stack.serve)) if run
+    )
+
+
+def wait_for(condition: Callable[[], object], timeout: float, what: str, stack: Stack, worker_runs: bool = True):
+    """Until ``condition()`` is true; fails with the stack's logs past ``timeout`` seconds, or as
+    soon as the worker exits while it should run."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if value:
             return value
-        if stack is not None and stack.worker is not None and not stack.worker.running:
-            pytest.fail(
-                f"the worker exited with {stack.worker.process.poll()} waiting for {what}:\n{stack.worker.output()}"
-            )
+        if worker_runs and stack.worker is not None and not stack.worker.running:
+            pytest.fail(f"the worker exited with {stack.worker.process.poll()} waiting for {what}{stack_logs(stack)}")
         if time.monotonic() > deadline:
-            logs = "" if stack is None else f"\n{stack.worker.output() if stack.worker else ''}"
-            pytest.fail(f"timed out after {timeout}s waiting for {what}{logs}")
+            pytest.fail(f"timed out after {timeout}s waiting for {what}{stack_logs(stack)}")
         time.sleep(0.25)
 
 
@@ -112,8 +134,17 @@ def finish(stack: Stack, tmp_path) -> None:
 
     serve = stack.serve
     final = accounting.final_step
-    wait_for(lambda: (served := serve.served()) is not None and served.step == final, 90, f"serve at step {final}")
+
+    def at_final() -> bool:
+        served = serve.served()
+        return served is not None and served.step == final
+
+    wait_for(at_final, 90, f"serve at step {final}", stack, worker_runs=False)
     assert serve.ready()
+    # It got there by the deltas alone: no gap made it wait for a base.
+    metrics = serve.metrics()
+    assert metrics["streamtrain_serve_base_loads_total"] == 1, stack_logs(stack)
+    assert metrics["streamtrain_serve_deltas_failed_total"] == 0, stack_logs(stack)
     phase("served")
     payloads = held_out(HELD_OUT)
     served_scores = serve.score(payloads)
@@ -143,7 +174,7 @@ def test_cluster_sigkill_of_the_input_leader_loses_and_repeats_nothing(stack, tm
     cluster.kill(victim)
     killed = time.monotonic()
     # Its partitions get new leaders once it is fenced; the worker reads them from there.
-    wait_for(lambda: victim not in cluster.leaders(stack.topic).values(), 60, f"new leaders for node {victim}'s")
+    wait_for(lambda: victim not in cluster.leaders(stack.topic).values(), 60, f"new leaders for node {victim}'s", stack)
     training_goes_on(stack, f"with node {victim} killed")
     time.sleep(max(0.0, 8.0 - (time.monotonic() - killed)))  # down for a few seconds at least
     cluster.restart(victim)

@@ -15,8 +15,8 @@ start and restart nodes from a thread that lives as long as they should (the mai
   ``client_config`` then holds what a client needs to log in.
 - ``KafkaCluster``: three nodes, all three controller voters, default replication factor 3 and
   ``min.insync.replicas`` 2 (the internal topics too), small heaps. Each node can be stopped
-  (SIGTERM: a controlled shutdown), killed (SIGKILL) and restarted; the cluster finds a
-  partition's leader and waits until no partition is under-replicated.
+  (SIGTERM: a controlled shutdown), killed (SIGKILL), paused (SIGSTOP) and restarted; the
+  cluster finds a partition's leader and waits until no partition is under-replicated.
 """
 
 from __future__ import annotations
@@ -328,10 +328,23 @@ class KafkaNode:
             return
         assert self._process is not None
         os.killpg(self._process.pid, signal.SIGTERM)
+        os.killpg(self._process.pid, signal.SIGCONT)  # a paused node acts on the SIGTERM once thawed
         try:
             self._process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.kill()
+
+    def pause(self) -> None:
+        """Freeze the node (SIGSTOP), as a long GC pause or a stalled VM would: its connections
+        stay open and nothing answers on them. ``resume()`` thaws it."""
+        if self.running:
+            assert self._process is not None
+            os.killpg(self._process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.running:
+            assert self._process is not None
+            os.killpg(self._process.pid, signal.SIGCONT)
 
     def restart(self) -> None:
         """Start the stopped or killed node again on the same ports and log dir, and wait until it answers."""
@@ -353,6 +366,7 @@ class KafkaNode:
         if process is not None and process.poll() is None:
             if graceful:
                 os.killpg(process.pid, signal.SIGTERM)
+                os.killpg(process.pid, signal.SIGCONT)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     process.wait(timeout=20)
             if process.poll() is None:
@@ -449,6 +463,14 @@ class KafkaCluster:
     def kill(self, node_id: int) -> None:
         """Crash one node (SIGKILL); the others fence it and elect new leaders within seconds."""
         self.node(node_id).kill()
+
+    def pause(self, node_id: int) -> None:
+        """Freeze one node (SIGSTOP) until ``resume(node_id)``: it holds its leaderships and
+        answers nothing. Fenced after 6 s; a shorter pause keeps it in the cluster."""
+        self.node(node_id).pause()
+
+    def resume(self, node_id: int) -> None:
+        self.node(node_id).resume()
 
     def restart(self, node_id: int) -> None:
         """Start a stopped or killed node again, same ports and log dir, and wait until it answers.

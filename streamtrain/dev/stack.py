@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -104,13 +105,14 @@ def _environment(pid: int) -> dict[str, str]:
 
 
 def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
-    """The status and body of a GET; status 0 if nothing answered."""
+    """The status and body of a GET; status 0 if nothing answered. (Asking a port nobody listens
+    on yet can connect the socket to itself, which then answers with the request: no answer.)"""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as reply:
             return reply.status, reply.read()
     except urllib.error.HTTPError as error:
         return error.code, error.read()
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return 0, b""
 
 
@@ -274,11 +276,15 @@ class ServeRun:
     def ready(self) -> bool:
         return _get(f"http://127.0.0.1:{self.port}/readyz")[0] == 200
 
-    def served(self) -> Served | None:
+    def metrics(self) -> dict[str, float]:
+        """serve's metrics as {'name{labels}': value}; empty while it does not answer."""
         status, body = _get(f"http://127.0.0.1:{self.port}/metrics")
-        if status != 200:
+        return _samples(body.decode()) if status == 200 else {}
+
+    def served(self) -> Served | None:
+        samples = self.metrics()
+        if not samples:
             return None
-        samples = _samples(body.decode())
         return Served(
             int(samples["streamtrain_serve_chain"]),
             int(samples["streamtrain_serve_delta_sequence"]) + 1,
@@ -296,7 +302,7 @@ class ServeRun:
                 results = json.loads(reply.read())["results"]
         except urllib.error.HTTPError as error:
             raise ScoreFailed(f"/score answered {error.code}: {error.read()[:300]!r}") from None
-        except OSError as error:
+        except (OSError, http.client.HTTPException) as error:
             raise ScoreFailed(f"/score: {error}") from None
         failed = [r for r in results if "probabilities" not in r]
         if failed:
@@ -478,6 +484,11 @@ def _read_all(bootstrap_servers: str, topic: str, partitions: int, timeout: floa
         return ends, messages
     finally:
         consumer.close()
+
+
+def read_messages(bootstrap_servers: str, topic: str, partitions: int, timeout: float = 120.0) -> list:
+    """Every message of ``topic``, from its start to its end offsets now."""
+    return _read_all(bootstrap_servers, topic, partitions, timeout)[1]
 
 
 def read_topic(bootstrap_servers: str, topic: str, partitions: int, timeout: float = 120.0) -> TopicContents:
