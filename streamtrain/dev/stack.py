@@ -673,6 +673,7 @@ class Stack:
         self.serve: ServeRun | None = None
         self.writer: StreamWriter | None = None
         self.starts = {"worker": 0, "serve": 0}
+        self.acknowledged = {"valid": 0, "malformed": 0}
         self.closing = threading.Event()
         workdir.mkdir(parents=True, exist_ok=True)
         self.lineage.collect_every(0.5, self.closing)
@@ -722,12 +723,15 @@ class Stack:
         )
         return self.writer
 
-    def stop_writing(self) -> StreamWriter:
+    def stop_writing(self) -> dict[str, int]:
+        """Stops the stream writer; the events acknowledged by every writer so far, by kind."""
         writer, self.writer = self.writer, None
         if writer is None:
             raise StackError("no stream writer runs")
         writer.stop()
-        return writer
+        self.acknowledged["valid"] += writer.valid
+        self.acknowledged["malformed"] += writer.malformed
+        return dict(self.acknowledged)
 
     def start_worker(self, *args: str) -> WorkerRun:
         if self.worker is not None and self.worker.running:
