@@ -452,7 +452,7 @@ def _fault_until(soak: Soak, rng: random.Random, minutes: float, every: float, q
 
 def _judge(soak: Soak, stack: Any, folder: Path, progress: Callable[[str], None]) -> dict:
     """Stops the stream, lets the worker train it to the end, stops everything; what it all holds."""
-    from streamtrain.dev.stack import ScoreFailed, StackError, export_of, held_out, model_scores
+    from streamtrain.dev.stack import ScoreFailed, StackError, export_newest, held_out, model_scores
 
     judged: dict[str, Any] = {}
     with contextlib.suppress(SoakFailed):
@@ -526,7 +526,9 @@ def _judge(soak: Soak, stack: Any, folder: Path, progress: Callable[[str], None]
                 raise StackError(f"serve at {served}, not at the final step {accounting.final_step}, after 120s")
             time.sleep(STEP_SECONDS)
         payloads = held_out(200)
-        base = export_of(stack.snapshots, accounting.final_step, stack.bases, folder / "export")
+        step, base = export_newest(stack.snapshots, folder / "export")
+        if step != accounting.final_step:
+            raise StackError(f"the newest snapshot is at step {step}, the lineage ends at {accounting.final_step}")
         difference = float(np.abs(serve.score(payloads) - model_scores(base, payloads)).max())
         matches = difference < 1e-6
         judged["serve_export_max_difference"] = difference

@@ -14,8 +14,8 @@ trained after that snapshot: that is not a duplicate in the model):
   two, the events trained must be the offsets read less the malformed among them. An excess is
   events trained twice, a shortfall events lost;
 - ``dead_letter_sources``: the (partition, offset) of each dead letter, from its headers;
-- ``ServeRun.score`` against ``model_scores`` of ``export_of``: the served model against an
-  export of the same snapshot.
+- ``ServeRun.score`` against ``model_scores`` of ``export_newest``: the served model against an
+  export of the newest snapshot.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import contextlib
 import http.client
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from streamtrain.bench.common import listening, scrape
 from streamtrain.config import PACKAGE_DIR
 from streamtrain.dev import CHECKOUT
 from streamtrain.dev.kafka import KafkaCluster, free_port
@@ -104,25 +106,18 @@ def _environment(pid: int) -> dict[str, str]:
     return {key.decode(errors="replace"): value.decode(errors="replace") for key, value in pairs}
 
 
-def _get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
-    """The status and body of a GET; status 0 if nothing answered. (Asking a port nobody listens
-    on yet can connect the socket to itself, which then answers with the request: no answer.)"""
+def _get(port: int, path: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    """The status and body of a GET on 127.0.0.1; status 0 if nothing answered, or nothing listens
+    there yet (``bench.common.listening`` says why that is asked first)."""
+    if not listening(port):
+        return 0, b""
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as reply:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as reply:
             return reply.status, reply.read()
     except urllib.error.HTTPError as error:
         return error.code, error.read()
     except (OSError, http.client.HTTPException):
         return 0, b""
-
-
-def _samples(text: str) -> dict[str, float]:
-    samples = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
-    return samples
 
 
 class WorkerRun:
@@ -174,8 +169,7 @@ class WorkerRun:
 
     def metrics(self, rank: int) -> dict[str, float]:
         """A rank's metrics as {'name{labels}': value}; empty while it does not answer."""
-        status, body = _get(f"http://127.0.0.1:{self.metrics_port + rank}/metrics")
-        return _samples(body.decode()) if status == 200 else {}
+        return scrape(self.metrics_port + rank)
 
     def trained(self) -> int:
         """Events this run's ranks have trained since they started (not the model's lineage)."""
@@ -274,12 +268,11 @@ class ServeRun:
         return self.process.poll() is None
 
     def ready(self) -> bool:
-        return _get(f"http://127.0.0.1:{self.port}/readyz")[0] == 200
+        return _get(self.port, "/readyz")[0] == 200
 
     def metrics(self) -> dict[str, float]:
         """serve's metrics as {'name{labels}': value}; empty while it does not answer."""
-        status, body = _get(f"http://127.0.0.1:{self.port}/metrics")
-        return _samples(body.decode()) if status == 200 else {}
+        return scrape(self.port)
 
     def served(self) -> Served | None:
         samples = self.metrics()
@@ -630,17 +623,24 @@ def model_scores(base: Path, payloads: list[bytes]) -> np.ndarray:
     return model.score(decoded.batch)
 
 
-def export_of(snapshots: Path, step: int, bases: Path, scratch: Path) -> Path:
-    """A base exported from the snapshot at ``step`` alone, no delta involved: the one the worker
-    exported at its stop when there is one under ``bases``, else one exported now under ``scratch``."""
+def export_newest(snapshots: Path, scratch: Path) -> tuple[int, Path]:
+    """The newest committed snapshot, copied under ``scratch`` (retention may remove it meanwhile)
+    and exported there on its own, no delta involved: its step and the base's folder."""
+    from streamtrain.checkpoint import MARKER
     from streamtrain.delivery.artifact import export_snapshot
-    from streamtrain.delivery.spec import read_manifest
 
-    for base in sorted(bases.glob("base-*[0-9]"), reverse=True):
-        with contextlib.suppress(Exception):  # a base removed meanwhile, or not one
-            if read_manifest(base).step == step:
-                return base
-    return export_snapshot(snapshots, step, scratch, version=1_000_000 + step)
+    for _ in range(10):  # one removed by retention while it is copied: the next newest
+        committed = sorted(snapshots.glob(f"step-*[0-9]/{MARKER}"), reverse=True)
+        if not committed:
+            raise StackError(f"no committed snapshot under {snapshots}")
+        folder = committed[0].parent
+        copy = scratch / "snapshots" / folder.name
+        shutil.rmtree(copy, ignore_errors=True)
+        with contextlib.suppress(FileNotFoundError, shutil.Error):
+            shutil.copytree(folder, copy)
+            step = int(json.loads((copy / MARKER).read_text())["stream"]["step"])
+            return step, export_snapshot(copy.parent, step, scratch / "bases", version=1_000_000 + step)
+    raise StackError(f"the newest snapshot under {snapshots} kept being removed while it was copied")
 
 
 # --- the stack ------------------------------------------------------------------------------------
