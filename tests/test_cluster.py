@@ -7,9 +7,9 @@ checks, from the topics and the snapshots: every valid event trained exactly onc
 snapshot's lineage, its positions at the topic's end offsets; every malformed event
 dead-lettered; and serve, by its deltas alone, scoring as a fresh export of that snapshot does.
 
-The tests that fault only the brokers share one deployment (``deployment``): a worker's start
-and its first base take a minute or more here, and a test leaves the deployment checked, with a
-new stream running for the next. The others bring their own.
+The tests share one deployment (``deployment``), started by the first of them: a worker's start
+and its first base take a minute or more here. Each test begins with the cluster whole and the
+deployment training, and leaves it checked, its stream stopped, for the next.
 """
 
 from __future__ import annotations
@@ -47,8 +47,8 @@ def open_stack(
     environment: dict[str, str] | None = None,
     delta_topic_config: dict[str, str] | None = None,
 ) -> Stack:
-    """A stack on the cluster, once every partition is in sync again (whatever the test before did)."""
-    cluster.wait_until_fully_replicated(120)
+    """A stack on the cluster, once every node is back and in sync (whatever the test before did)."""
+    cluster.heal()
     stack = Stack(cluster, topic, workdir, SMALL_CONFIG, partitions, environment)
     stack.create_topics()
     # Created here with replication factor 3, as an operator would: the worker creates a missing
@@ -60,23 +60,9 @@ def open_stack(
 
 @pytest.fixture(scope="module")
 def deployment(cluster, tmp_path_factory):
-    """One deployment for the tests that fault only the brokers, started by the first of them."""
+    """One deployment for every test here."""
     with open_stack(cluster, f"cluster-{uuid.uuid4().hex[:8]}", tmp_path_factory.mktemp("deployment")) as stack:
         yield stack
-
-
-@pytest.fixture
-def own_stack(cluster, topic_name, tmp_path):
-    """Opens a stack of the test's own (``open_stack``'s arguments but the first three)."""
-    opened: list[Stack] = []
-
-    def opener(**settings) -> Stack:
-        opened.append(open_stack(cluster, topic_name, tmp_path / "stack", **settings))
-        return opened[-1]
-
-    yield opener
-    for stack in opened:
-        stack.close()
 
 
 def stack_logs(stack: Stack) -> str:
@@ -102,7 +88,9 @@ def wait_for(condition: Callable[[], object], timeout: float, what: str, stack: 
 
 def running(stack: Stack, seed: int) -> None:
     """A live stream, the worker training it, and serve following the worker's deltas from its
-    first base: started if need be (serve starts with the worker, and waits for that base)."""
+    first base: started if need be (serve starts with the worker, and waits for that base), on a
+    whole cluster."""
+    stack.cluster.heal()
     if stack.writer is None:
         stack.write(count=RATE * 900, rate=RATE, malformed_every=MALFORMED_EVERY, seed=seed)
     worker = stack.worker if stack.worker is not None else stack.start_worker()

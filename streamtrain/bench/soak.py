@@ -273,6 +273,10 @@ class Soak:
     def clock(self) -> float:
         return time.monotonic() - self.began
 
+    def minute(self, at: float) -> float:
+        """The minute of the faults' time that the soak's clock ``at`` falls in (negative: before them)."""
+        return (at - (self.faults_began or 0.0)) / 60
+
     def start(self) -> None:
         self.stack.start_worker()
         self.stack.start_serve(base_wait=RECOVERY_SECONDS)
@@ -348,7 +352,7 @@ class Soak:
         self.faults.append(fault)
         started = time.monotonic()
         getattr(self, f"_{kind}_fault")(fault)
-        self.progress(f"fault {len(self.faults)} at {fault.at / 60:.1f} min: {fault.detail}")
+        self.progress(f"fault {len(self.faults)} at minute {self.minute(fault.at):.1f}: {fault.detail}")
         fault.healed_seconds = (
             time.monotonic() - started + self.until(self._healthy, RECOVERY_SECONDS, f"healing after {fault.detail}")
         )
@@ -494,7 +498,7 @@ def _judge(soak: Soak, stack: Any, folder: Path, progress: Callable[[str], None]
         max_stale_seconds=round(staleness.max_seconds(now), 2),
         stale_episodes=[
             {
-                "at_minute": round(e.started / 60, 2),
+                "at_minute": round(soak.minute(e.started), 2),
                 "seconds": round(e.seconds, 2),
                 "what": e.what,
                 "after": _before(soak, e.started),
@@ -507,7 +511,12 @@ def _judge(soak: Soak, stack: Any, folder: Path, progress: Callable[[str], None]
         score_failure_examples=soak.watch.score_failures[:3] if soak.watch else [],
         faults={kind: sum(f.kind == kind for f in soak.faults) for kind in KINDS},
         fault_log=[
-            {"kind": f.kind, "at_minute": round(f.at / 60, 2), "detail": f.detail, "healed_seconds": f.healed_seconds}
+            {
+                "kind": f.kind,
+                "at_minute": round(soak.minute(f.at), 2),
+                "detail": f.detail,
+                "healed_seconds": f.healed_seconds,
+            }
             for f in soak.faults
         ],
         restarts=dict(soak.restarts),
@@ -541,7 +550,7 @@ def _judge(soak: Soak, stack: Any, folder: Path, progress: Callable[[str], None]
 
 def _before(soak: Soak, at: float) -> str | None:
     earlier = [f for f in soak.faults if f.at <= at]
-    return f"{earlier[-1].kind} fault at minute {earlier[-1].at / 60:.2f}" if earlier else None
+    return f"{earlier[-1].kind} fault at minute {soak.minute(earlier[-1].at):.2f}" if earlier else None
 
 
 def _problems(result: dict) -> list[str]:

@@ -486,6 +486,16 @@ class KafkaCluster:
             node.restart()
             self.wait_until_fully_replicated(timeout)
 
+    def heal(self, timeout: float = 120.0) -> None:
+        """Every node back: paused ones thawed, stopped or killed ones restarted; then until every
+        partition is fully replicated. What a test runs first when the one before may have failed
+        in the middle of a fault."""
+        for node in self.nodes:
+            node.resume()
+            if not node.running:
+                node.restart()
+        self.wait_until_fully_replicated(timeout)
+
     def admin(self) -> AdminClient:
         if self._admin is None:
             # Refusals from a node that is down are expected here; errors still raise.

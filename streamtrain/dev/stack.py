@@ -1,9 +1,10 @@
 """The whole deployment on one host, for the cluster fault tests and ``streamtrain bench soak``.
 
-A ``Stack`` holds, on a ``KafkaCluster``: the input, dead-letter and delta topics; a stream writer
-(the synthetic click stream, with malformed payloads among it); ``streamtrain worker --nproc 2``
-with delivery to the delta topic; and ``streamtrain serve`` following it. Its processes are
-killed on ``close()``, the ranks and their children included, however they were started.
+A ``Stack`` holds, on a ``KafkaCluster``: the input and dead-letter topics (the delta topic is
+its caller's to create, or the worker's); a stream writer (the synthetic click stream, with
+malformed payloads among it); ``streamtrain worker --nproc 2`` with delivery to the delta topic;
+and ``streamtrain serve`` following it. Its processes are killed on ``close()``, the ranks and
+their children included, however they were started.
 
 And the checks that judge a run, from what is on the topics and in the snapshots, never from a
 process's own counters (a rank restarted from a snapshot trains again, and counts again, what it
