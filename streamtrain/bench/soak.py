@@ -5,7 +5,8 @@ On a 3-node KRaft cluster (replication factor 3, min.insync.replicas 2), a live 
 --rate events/s with one malformed payload in every --malformed-every, ``streamtrain worker
 --nproc 2`` with deltas every second on a topic and dead letters on theirs, and ``streamtrain
 serve`` following the deltas. Every --fault-every seconds on average (0.5x to 1.5x, drawn from
---seed), once the last fault has healed, one fault:
+--seed), once the last fault has healed (the worker trains, and serve is ready on the worker's
+current delta chain with no delta waiting over 5 s), one fault:
 
 - broker: SIGKILL a node (half the time the one leading most input partitions), down 3-10 s,
   restarted, then every partition back in sync;
@@ -56,6 +57,7 @@ import numpy as np
 KINDS = ("broker", "rank", "serve")
 STEP_SECONDS = 0.5  # how often the soak looks at its processes
 RECOVERY_SECONDS = 600.0  # a fault not healed by then ends the faults, and the run fails
+HEALED_STALE_SECONDS = 5.0  # serve lags by a delta interval and an apply when all is well
 TOPIC = "soak"
 
 
@@ -248,7 +250,7 @@ class Fault:
     kind: str
     at: float  # seconds since the soak began
     detail: str
-    healed_seconds: float | None = None  # from the fault to the worker training and serve ready again
+    healed_seconds: float | None = None  # from the fault to ``Soak._healed``
 
 
 @dataclass
@@ -280,16 +282,23 @@ class Soak:
     def start(self) -> None:
         self.stack.start_worker()
         self.stack.start_serve(base_wait=RECOVERY_SECONDS)
-        self.until(self._healthy, RECOVERY_SECONDS, "the worker training and serve ready")
+        self.until(self._healed, RECOVERY_SECONDS, "the worker training and serve ready on its chain")
         self.staleness = Staleness(started=0.0)
         self.watch = ServeWatch(self.stack, self.staleness, self.clock)
 
     def _trained(self) -> int:
         return self.stack.worker.trained() if self.stack.worker is not None else 0
 
-    def _healthy(self) -> bool:
+    def _healed(self) -> bool:
+        """The worker trains, and serve is ready on the worker's current delta chain (a restarted
+        worker starts a new one, which serve takes up once that chain's base is exported) with
+        no delta waiting longer than a few seconds."""
         worker, serve = self.stack.worker, self.stack.serve
-        return bool(worker and worker.running and worker.trained() > 0 and serve and serve.running and serve.ready())
+        if not (worker and worker.running and worker.trained() > 0 and serve and serve.running and serve.ready()):
+            return False
+        served, chain = serve.served(), self.stack.chain()
+        stale = self.staleness.stale(self.clock()) if self.staleness is not None else 0.0
+        return served is not None and served.chain == chain and stale < HEALED_STALE_SECONDS
 
     def until(self, condition: Callable[[], bool], timeout: float, what: str) -> float:
         """Waits for ``condition`` while supervising; its seconds, or SoakFailed past ``timeout``."""
@@ -354,7 +363,7 @@ class Soak:
         getattr(self, f"_{kind}_fault")(fault)
         self.progress(f"fault {len(self.faults)} at minute {self.minute(fault.at):.1f}: {fault.detail}")
         fault.healed_seconds = (
-            time.monotonic() - started + self.until(self._healthy, RECOVERY_SECONDS, f"healing after {fault.detail}")
+            time.monotonic() - started + self.until(self._healed, RECOVERY_SECONDS, f"healing after {fault.detail}")
         )
         self.progress(f"  healed {fault.healed_seconds:.0f}s after it")
         return fault
@@ -460,7 +469,7 @@ def _judge(soak: Soak, stack: Any, folder: Path, progress: Callable[[str], None]
 
     judged: dict[str, Any] = {}
     with contextlib.suppress(SoakFailed):
-        soak.until(soak._healthy, RECOVERY_SECONDS, "the worker and serve back before the end")
+        soak.until(soak._healed, RECOVERY_SECONDS, "the worker and serve back before the end")
     acknowledged = stack.stop_writing()
     contents = stack.contents()
     progress(f"soak: stream stopped; {sum(contents.ends.values()):,} events on the topic, training them to the end")

@@ -778,6 +778,13 @@ class Stack:
             time.sleep(0.5)
         return False
 
+    def chain(self) -> int | None:
+        """The delta chain of the newest committed snapshot: a worker's, from its first snapshot on."""
+        self.lineage.collect()
+        line = self.lineage.line()
+        delivery = line[-1]["stream"].get("delivery") if line else None
+        return int(delivery["chain"]) if delivery else None
+
     def contents(self) -> TopicContents:
         return read_topic(self.bootstrap_servers, self.topic, self.partitions)
 
