@@ -102,7 +102,8 @@ def free_port(count: int = 1) -> int:
     raise BrokerError(f"no {count} adjacent free port(s) on 127.0.0.1 in 1,000 tries")
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """For ``preexec_fn``: the kernel kills the child (SIGKILL) when the thread that started it ends."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
@@ -285,7 +286,7 @@ class KafkaNode:
                 stdout=stdout,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
                 start_new_session=True,
             )
 

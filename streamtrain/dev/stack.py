@@ -4,7 +4,8 @@ A ``Stack`` holds, on a ``KafkaCluster``: the input and dead-letter topics (the 
 its caller's to create, or the worker's); a stream writer (the synthetic click stream, with
 malformed payloads among it); ``streamtrain worker --nproc 2`` with delivery to the delta topic;
 and ``streamtrain serve`` following it. Its processes are killed on ``close()``, the ranks and
-their children included, however they were started.
+their children included, however they were started; and the launcher and serve die with the
+thread that started them (PR_SET_PDEATHSIG), as the brokers do.
 
 And the checks that judge a run, from what is on the topics and in the snapshots, never from a
 process's own counters (a rank restarted from a snapshot trains again, and counts again, what it
@@ -43,7 +44,7 @@ import numpy as np
 from streamtrain.bench.common import listening, scrape
 from streamtrain.config import PACKAGE_DIR
 from streamtrain.dev import CHECKOUT
-from streamtrain.dev.kafka import KafkaCluster, free_port
+from streamtrain.dev.kafka import KafkaCluster, die_with_parent, free_port
 
 SCHEMA = PACKAGE_DIR / "schemas" / "click_event.avsc"
 # Payloads no decoder accepts, each with its own reason: an empty one, and a varint that never ends.
@@ -140,6 +141,7 @@ class WorkerRun:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
         self.seen: set[_Process] = set()
         self.watch()
@@ -262,6 +264,7 @@ class ServeRun:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
+                preexec_fn=die_with_parent,
             )
 
     @property
