@@ -143,6 +143,7 @@ class WorkerRun:
                 start_new_session=True,
                 preexec_fn=die_with_parent,
             )
+        self.started_at = time.time()
         self.seen: set[_Process] = set()
         self.watch()
 
@@ -782,10 +783,13 @@ class Stack:
         return False
 
     def chain(self) -> int | None:
-        """The delta chain of the newest committed snapshot: a worker's, from its first snapshot on."""
+        """The running worker's delta chain, from the first snapshot it commits (every start begins
+        a chain); None before then."""
         self.lineage.collect()
         line = self.lineage.line()
-        delivery = line[-1]["stream"].get("delivery") if line else None
+        if not line or self.worker is None or line[-1]["wall_time"] < self.worker.started_at:
+            return None
+        delivery = line[-1]["stream"].get("delivery")
         return int(delivery["chain"]) if delivery else None
 
     def contents(self) -> TopicContents:
