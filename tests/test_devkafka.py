@@ -1,6 +1,7 @@
 """The project's own brokers, one or a cluster of three: they start on loopback, and never outlive their owner."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -41,12 +42,13 @@ def test_the_jvm_dies_with_a_killed_parent():
             sys.executable,
             "-c",
             "from streamtrain.dev.kafka import KafkaBroker; import time; b = KafkaBroker(); b.start(); "
-            "print(b.pid, flush=True); time.sleep(600)",
+            "print(b.pid, b.workdir, flush=True); time.sleep(600)",
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
-    jvm = int(owner.stdout.readline())
+    pid, workdir = owner.stdout.readline().split()
+    jvm = int(pid)
     assert alive(jvm)
     owner.send_signal(signal.SIGKILL)
     owner.wait(timeout=10)
@@ -54,6 +56,7 @@ def test_the_jvm_dies_with_a_killed_parent():
     while alive(jvm) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive(jvm)
+    shutil.rmtree(workdir)  # its owner, killed, could not
 
 
 def test_missing_jars_say_how_to_get_them(tmp_path):

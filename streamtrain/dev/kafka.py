@@ -168,6 +168,7 @@ class KafkaNode:
         self.start_timeout = start_timeout
         self.heap_mb = heap_mb
         self.workdir = Path(tempfile.mkdtemp(prefix=f"streamtrain-kafka-{node_id}-"))
+        atexit.register(self.close)  # the log dir goes at exit, even if the node never started
         self.log_path = self.workdir / "server.log"
         self.sasl = sasl
         self._process: subprocess.Popen | None = None
@@ -263,7 +264,6 @@ class KafkaNode:
         )
         if formatted.returncode != 0:
             raise BrokerError(f"formatting Kafka storage failed:\n{formatted.stdout}\n{formatted.stderr}")
-        atexit.register(self.close)
 
     def _sasl_properties(self) -> list[str]:
         if self.sasl is None:
