@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 from conftest import SMALL_CONFIG
+from streamtrain.delivery.deltas import HEADER_ALLOWANCE, decode_chunk
 from streamtrain.dev.kafka import KafkaCluster
-from streamtrain.dev.stack import Stack, export_newest, held_out, model_scores
+from streamtrain.dev.stack import Stack, export_newest, held_out, model_scores, read_messages
 
 pytestmark = pytest.mark.integration
 
@@ -60,8 +61,16 @@ def open_stack(
 
 @pytest.fixture(scope="module")
 def deployment(cluster, tmp_path_factory):
-    """One deployment for every test here."""
-    with open_stack(cluster, f"cluster-{uuid.uuid4().hex[:8]}", tmp_path_factory.mktemp("deployment")) as stack:
+    """One deployment for every test here. Its deltas are chunks of 2 KiB, more than the producer
+    has in flight (5), and an attempt to send one fails after 2 s: a broker fault then cuts a send
+    short, and the retry must be served."""
+    with open_stack(
+        cluster,
+        f"cluster-{uuid.uuid4().hex[:8]}",
+        tmp_path_factory.mktemp("deployment"),
+        environment={"STREAMTRAIN_DELIVERY__DELIVERY_TIMEOUT_SECONDS": "2"},
+        delta_topic_config={"max.message.bytes": str(HEADER_ALLOWANCE + 2048)},
+    ) as stack:
         yield stack
 
 
@@ -177,3 +186,56 @@ def test_cluster_sigkill_of_the_input_leader_loses_and_repeats_nothing(deploymen
     cluster.wait_until_fully_replicated(120)
     training_goes_on(deployment, "after the node is back")
     check(deployment, tmp_path)
+
+
+def partial_attempts(stack: Stack) -> list[tuple[int, int]]:
+    """(chain, sequence) of each delta on the delta topic whose chunks a failed attempt left only
+    some of, before a retry sent them all again: a part seen again before every part was seen."""
+    first_runs: dict[tuple[int, int], set[int]] = {}
+    retried: dict[tuple[int, int], int] = {}  # the delta's parts, once a part came again
+    for chunk in read_messages(stack.bootstrap_servers, stack.delta_topic, 1):
+        header, _piece = decode_chunk(chunk.value())
+        delta = (header.base_version, header.sequence)
+        run = first_runs.setdefault(delta, set())
+        if header.part in run:
+            retried.setdefault(delta, header.parts)
+        elif delta not in retried:
+            run.add(header.part)
+    return [delta for delta, parts in retried.items() if len(first_runs[delta]) < parts]
+
+
+def test_cluster_delta_send_that_fails_partway_is_retried_and_served(deployment, tmp_path):
+    stack = deployment
+    running(stack, seed=83)
+    cluster = stack.cluster
+    for _ in range(3):  # a delta is cut every second: the first freeze nearly always lands on a send
+        leader = cluster.leader(stack.delta_topic, 0)
+        followers = [node.node_id for node in cluster.nodes if node.node_id != leader]
+        # The delta partition's followers freeze: its leader writes the chunks in flight but
+        # cannot have them replicated, so the attempt times out with those written and the rest
+        # never sent; once the followers thaw, the written chunks are replicated and readable.
+        for follower in followers:
+            cluster.pause(follower)
+        try:
+            time.sleep(4.5)  # past the 2 s delivery timeout, short of the 6 s after which a node is fenced
+        finally:
+            for follower in followers:
+                cluster.resume(follower)
+        cluster.wait_until_fully_replicated(120)
+        training_goes_on(stack, "after the freeze")
+        if partial := partial_attempts(stack):
+            break
+    else:
+        pytest.fail("no delta send was cut short in 3 freezes")
+    assert stack.worker is not None and stack.serve is not None
+    assert stack.worker.metrics(0).get("streamtrain_delta_failures_total", 0) > 0
+    # serve takes the retried delta and goes on past it, while the worker trains
+    chain, sequence = max(partial)
+    serve = stack.serve
+    wait_for(
+        lambda: (served := serve.served()) is not None and (served.chain, served.next_sequence) > (chain, sequence),
+        60,
+        f"serve to apply delta {sequence} of chain {chain}, which was cut short and retried",
+        stack,
+    )
+    check(stack, tmp_path)
