@@ -21,11 +21,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from confluent_kafka.admin import NewPartitions
 
 from conftest import SMALL_CONFIG
 from streamtrain.delivery.deltas import HEADER_ALLOWANCE, decode_chunk
 from streamtrain.dev.kafka import KafkaCluster
 from streamtrain.dev.stack import Stack, export_newest, held_out, model_scores, read_messages
+from streamtrain.exitcodes import ExitCode
 
 pytestmark = pytest.mark.integration
 
@@ -61,13 +63,14 @@ def open_stack(
 
 @pytest.fixture(scope="module")
 def deployment(cluster, tmp_path_factory):
-    """One deployment for every test here. Its deltas are chunks of 2 KiB, more than the producer
-    has in flight (5), and an attempt to send one fails after 2 s: a broker fault then cuts a send
-    short, and the retry must be served."""
+    """One deployment for every test here. It starts on 2 partitions, for the test that adds two.
+    Its deltas are chunks of 2 KiB, more than the producer has in flight (5), and an attempt to
+    send one fails after 2 s: a broker fault then cuts a send short, and the retry must be served."""
     with open_stack(
         cluster,
         f"cluster-{uuid.uuid4().hex[:8]}",
         tmp_path_factory.mktemp("deployment"),
+        partitions=2,
         environment={"STREAMTRAIN_DELIVERY__DELIVERY_TIMEOUT_SECONDS": "2"},
         delta_topic_config={"max.message.bytes": str(HEADER_ALLOWANCE + 2048)},
     ) as stack:
@@ -238,4 +241,56 @@ def test_cluster_delta_send_that_fails_partway_is_retried_and_served(deployment,
         f"serve to apply delta {sequence} of chain {chain}, which was cut short and retried",
         stack,
     )
+    check(stack, tmp_path)
+
+
+# Exit codes after which a restart cannot help: a supervisor stops and calls an operator.
+NEEDS_AN_OPERATOR = {
+    ExitCode.FAILED,
+    ExitCode.CONFIG,
+    ExitCode.LOGIN_REFUSED,
+    ExitCode.RESTORE_REFUSED,
+    ExitCode.OUTPUT_TOPIC_MISSING,
+}
+
+
+def lagged_partitions(stack: Stack) -> set[int]:
+    """The partitions the ranks report a consumer lag for."""
+    assert stack.worker is not None
+    return {
+        int(key.split('partition="')[1].split('"')[0])
+        for rank in range(2)
+        for key in stack.worker.metrics(rank)
+        if key.startswith("streamtrain_consumer_lag_events{")
+    }
+
+
+def test_cluster_partitions_added_while_the_worker_runs_are_trained_exactly_once(deployment, tmp_path):
+    stack = deployment
+    running(stack, seed=84)
+    stack.stop_writing()
+    partitions = stack.partitions + 2
+    added = stack.cluster.admin().create_partitions([NewPartitions(stack.topic, partitions)])
+    added[stack.topic].result(timeout=30)
+    stack.partitions = partitions
+    stack.write(count=RATE * 900, rate=RATE, malformed_every=MALFORMED_EVERY, seed=85)  # over them all
+    exits: list[int] = []
+
+    def reads_every_partition() -> bool:
+        """The worker reads the new partitions as it runs, or stops with a code that a restart
+        resolves, and is restarted, as a supervisor would."""
+        worker = stack.worker
+        assert worker is not None
+        if not worker.running:
+            code = worker.process.poll()
+            assert code not in NEEDS_AN_OPERATOR, f"the worker exited with {code}{stack_logs(stack)}"
+            exits.append(code)
+            worker.kill()
+            stack.start_worker()
+            return False
+        return lagged_partitions(stack) == set(range(partitions))
+
+    wait_for(reads_every_partition, 180, "the worker to read the partitions added", stack, worker_runs=False)
+    training_goes_on(stack, f"on {partitions} partitions")
+    print(f"the worker exited with {exits} and was restarted" if exits else "the worker took them as it ran")
     check(stack, tmp_path)
