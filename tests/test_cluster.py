@@ -167,7 +167,7 @@ def test_cluster_rolling_restart_while_training_loses_and_repeats_nothing(deploy
     training_goes_on(deployment, "after the rolling restart")
     check(deployment, tmp_path)
     # The worker created the dead-letter topic itself, replicated as the cluster's topics are.
-    described = deployment.cluster.admin.list_topics(deployment.dead_letter_topic, timeout=10)
+    described = deployment.cluster.admin().list_topics(deployment.dead_letter_topic, timeout=10)
     replicas = {len(p.replicas) for p in described.topics[deployment.dead_letter_topic].partitions.values()}
     assert replicas == {3}, f"the dead-letter topic's replication factors: {replicas}"
 
