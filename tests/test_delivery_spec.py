@@ -263,7 +263,7 @@ def test_mutated_delta_folder_names_and_a_pruned_delta_do_not_stop_a_directory_r
 def test_score_limit_state_lock_lets_scores_read_together_and_a_delta_write_alone():
     import threading
 
-    from streamtrain.delivery.serve import StateLock
+    from streamtrain.delivery.serve.follower import StateLock
 
     lock, inside, broken = StateLock(), {"readers": 0, "writers": 0}, []
     both_reading = threading.Barrier(2, timeout=10)
