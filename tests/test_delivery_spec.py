@@ -296,3 +296,45 @@ def test_score_limit_state_lock_lets_scores_read_together_and_a_delta_write_alon
     for thread in threads:
         thread.join(timeout=30)
     assert not broken and not any(t.is_alive() for t in pair + threads)
+
+
+def with_header(chunk: bytes, **change: object) -> bytes:
+    """``chunk`` with its header's fields changed (``raw``: the header's bytes replaced whole)."""
+    (length,) = struct.unpack("<I", chunk[4:8])
+    raw = change.pop("raw", None)
+    if raw is None:
+        raw = json.dumps({**json.loads(chunk[8 : 8 + length]), **change}).encode()
+    assert isinstance(raw, bytes)
+    return b"STD1" + struct.pack("<I", len(raw)) + raw + chunk[8 + length :]
+
+
+def test_mutated_delta_chunks_out_of_int64_too_deep_or_of_no_layout_are_format_errors():
+    delta = Delta(DeltaId("m", 1, 0, 1, 0, 0), [RowPiece("t", np.arange(2), 0, np.ones((2, 4), np.float32))])
+    (chunk,) = encode(delta, 8192)
+    for change, reason in [
+        ({"event_time_high_water_ms": 10**400}, "header_field"),  # once served, it broke every /metrics scrape
+        ({"published_at_ms": -(2**63) - 1}, "header_field"),
+        ({"parts": 2**63}, "header_field"),
+        ({"step": 2**64}, "header_field"),
+        ({"count": 0, "width": 2**62}, "body_size"),  # numpy cannot lay out 0 rows of 2**62 columns
+        ({"raw": b"[" * 100_000 + b"]" * 100_000}, "header_json"),  # deeper than the JSON parser's recursion
+    ]:
+        # a chunk of no rows has no body
+        mutated = with_header(chunk[: 8 + struct.unpack("<I", chunk[4:8])[0]] if "width" in change else chunk, **change)
+        with pytest.raises(DeltaFormatError) as refused:
+            decode_chunk(mutated)
+        assert refused.value.reason == reason, change
+
+
+def test_delivery_spec_current_json_that_is_not_json_and_manifest_paths_outside_the_base_are_refused(tmp_path):
+    from streamtrain.delivery.spec import base_file
+
+    for broken in [b"{not json", b"\xff\xfe", b"[" * 100_000]:
+        (tmp_path / "current.json").write_bytes(broken)
+        with pytest.raises(FormatError) as refused:
+            read_current(tmp_path)
+        assert refused.value.reason == "current"
+    assert base_file(tmp_path, "writer_schemas", "writer_schemas_dir") == tmp_path / "writer_schemas"
+    for escape in ["../reader.avsc", "/etc/hostname", "schemas/../../x", "", "a\\..\\b"]:
+        with pytest.raises(FormatError, match="must be a relative path inside the base"):
+            base_file(tmp_path, escape, "features.schema_path")

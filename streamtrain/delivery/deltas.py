@@ -142,24 +142,30 @@ def decode_chunk(data: bytes) -> tuple[ChunkHeader, RowPiece | DensePiece | IdPi
         header = parse_chunk_header(data[8 : 8 + length])
     except FormatError as error:
         raise DeltaFormatError(error.reason, str(error)) from None
-    body = memoryview(data)[8 + length :]
+    try:
+        return header, _piece(header, memoryview(data)[8 + length :])
+    except ValueError as error:  # numpy's: a shape no array can have, e.g. 0 rows of 2**62 columns
+        raise DeltaFormatError("body_size", f"a {header.kind} chunk's body cannot be laid out: {error}") from None
+
+
+def _piece(header: ChunkHeader, body: memoryview) -> RowPiece | DensePiece | IdPiece:
     count = header.count
     if isinstance(header, RowsHeader):
         if len(body) != count * (8 + 4 * header.width):
             raise DeltaFormatError("body_size", f"a rows chunk of {count} x {header.width} has {len(body)} body bytes")
         ids = np.frombuffer(body, dtype="<i8", count=count)
         values = np.frombuffer(body, dtype="<f4", offset=8 * count).reshape(count, header.width)
-        return header, RowPiece(header.section, ids, header.column, values)
+        return RowPiece(header.section, ids, header.column, values)
     if isinstance(header, DenseHeader):
         if len(body) != 4 * count:
             raise DeltaFormatError("body_size", f"a dense chunk of {count} values has {len(body)} body bytes")
         values = np.frombuffer(body, dtype="<f4", count=count)
-        return header, DensePiece(header.section, tuple(header.shape), header.offset, values)
+        return DensePiece(header.section, tuple(header.shape), header.offset, values)
     if len(body) != 16 * count:
         raise DeltaFormatError("body_size", f"an {header.kind} chunk of {count} rows has {len(body)} body bytes")
     rows = np.frombuffer(body, dtype="<i8", count=count)
     raw = np.frombuffer(body, dtype="<i8", offset=8 * count, count=count)
-    return header, IdPiece(header.section, rows, raw, header.kind == "evicted", header.full)
+    return IdPiece(header.section, rows, raw, header.kind == "evicted", header.full)
 
 
 @dataclass
