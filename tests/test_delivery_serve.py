@@ -19,16 +19,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from confluent_kafka import Producer
+from confluent_kafka import KafkaError, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import REPO, scrape
 from delivery_states import held_out, ranks_scores, set_delivery, small_config, train_states
+from streamtrain.config import KafkaConfig
 from streamtrain.delivery.artifact import export_snapshot
 from streamtrain.delivery.deltas import Delta, DeltaId, DensePiece, RowPiece, encode
+from streamtrain.delivery.publisher import DeliveryFailed, TopicTarget
 from streamtrain.delivery.serve import DirectoryDeltas, KafkaDeltas, ScoringServer
 from streamtrain.dev.kafka import free_port
+from test_delivery_publisher import delta_messages
 
 pytestmark = pytest.mark.integration
 
@@ -304,3 +307,54 @@ def test_a_delta_directory_is_followed_in_order_once_each_delta_is_complete(stat
         (deltas / "delta-1-1" / "COMPLETE").touch()
         wait_for(lambda: scrape(server.port).get("streamtrain_serve_delta_sequence") == 2, 60, "delta 2 applied")
         assert distance(server.port, root, 3) <= 1e-6
+
+
+class DiesPartway:
+    """A producer that delivers its first ``delivered`` chunks and fails the rest, as an attempt
+    cut short by a broker that went away: librdkafka's timeout, through the delivery callback."""
+
+    def __init__(self, producer: Producer, delivered: int):
+        self.producer, self.left = producer, delivered
+
+    def produce(self, topic: str, value: bytes, key: bytes, on_delivery) -> None:
+        if self.left > 0:
+            self.left -= 1
+            self.producer.produce(topic, value, key=key, on_delivery=on_delivery)
+        else:
+            on_delivery(KafkaError(KafkaError._MSG_TIMED_OUT), None)
+
+    def __getattr__(self, name: str):
+        return getattr(self.producer, name)
+
+
+def test_a_delta_send_that_failed_partway_and_was_retried_is_applied(kafka, topic_name, states, tmp_path):
+    root, _snapshots, flat = states
+    out = base_of(states, tmp_path)
+    create_delta_topic(kafka, topic_name)
+    target = TopicTarget(
+        KafkaConfig(bootstrap_servers=kafka.bootstrap_servers, topic="clicks"), topic_name, "clicks", 10, 3600
+    )
+    delta = cut(flat, 0, 1, 0)  # stamped at the cut, as the publisher stamps it
+    try:
+        target._connect()
+        producer = target.producer
+        target.producer = DiesPartway(producer, 3)
+        with pytest.raises(DeliveryFailed, match="timed out"):
+            target.send(delta)
+        target.producer = producer
+        time.sleep(0.05)  # the publisher retries a second later at the soonest
+        target.send(delta)
+    finally:
+        target.close()
+    chunks = delta_messages(kafka.bootstrap_servers, topic_name)
+    assert len(chunks) == 3 + len(encode(delta, MAX_MESSAGE_BYTES))
+    assert (
+        len({json.loads(chunk[8 : 8 + int.from_bytes(chunk[4:8], "little")])["published_at_ms"] for chunk in chunks})
+        == 1
+    )
+    with ScoringServer(out, KafkaDeltas(kafka.bootstrap_servers, topic_name)) as server:
+        assert server.wait_ready(60)
+        assert distance(server.port, root, 1) <= 1e-6
+        samples = scrape(server.port)
+        assert samples["streamtrain_serve_deltas_applied_total"] == 1
+        assert not any(k.startswith("streamtrain_serve_bad_deltas_total") for k in samples), samples

@@ -338,3 +338,42 @@ def test_delivery_spec_current_json_that_is_not_json_and_manifest_paths_outside_
     for escape in ["../reader.avsc", "/etc/hostname", "schemas/../../x", "", "a\\..\\b"]:
         with pytest.raises(FormatError, match="must be a relative path inside the base"):
             base_file(tmp_path, escape, "features.schema_path")
+
+
+def test_an_attempt_that_failed_partway_is_replaced_by_its_retry_and_refusals_keep_nothing_alive():
+    dense = [DensePiece("w", (4096,), 0, np.ones(4096, np.float32))]
+    first = encode(Delta(DeltaId("m", 1, 4, 9, 0, published_at_ms=1000), dense=dense), 8192)
+    retry = encode(Delta(DeltaId("m", 1, 4, 9, 0, published_at_ms=2000), dense=dense), 8192)
+    assert len(first) >= 3
+    assembler = Assembler()
+    assert assembler.add(first[0]) is None and assembler.add(first[1]) is None  # the failed attempt's
+    done = [d for d in map(assembler.add, retry) if d is not None]  # a newer attempt replaces it
+    assert [d.id.published_at_ms for d in done] == [2000] and len(assembler) == 0 and assembler.held == 0
+    with pytest.raises(DeltaFormatError, match="parts"):  # an older attempt's chunk, after the newer one began
+        assembler.add(retry[0]) or assembler.add(first[2])
+
+    # A refused chunk does not touch its delta: the stale one is still the first to go.
+    small = Assembler(max_pending=2)
+    stale = encode(Delta(DeltaId("m", 1, 0, 9, 0, 0), dense=dense), 8192)
+    small.add(stale[0])
+    small.add(encode(Delta(DeltaId("m", 1, 1, 9, 0, 0), dense=dense), 8192)[0])
+    with pytest.raises(DeltaFormatError):
+        small.add(with_header(stale[1], step=10))
+    small.add(encode(Delta(DeltaId("m", 1, 2, 9, 0, 0), dense=dense), 8192)[0])
+    assert [key[2] for key in small._pending] == [1, 2]
+
+
+def test_the_assembler_holds_a_bounded_number_of_bytes_and_refuses_a_delta_larger_than_that():
+    dense = [DensePiece("w", (8192,), 0, np.ones(8192, np.float32))]
+    chunks = [encode(Delta(DeltaId("m", 1, s, 9, 0, 0), dense=dense), 8192) for s in range(3)]
+    size = len(chunks[0][0])
+    assembler = Assembler(max_bytes=5 * size)
+    for sequence in range(3):  # two parts of each: the oldest goes once six would be held
+        assembler.add(chunks[sequence][0])
+        assembler.add(chunks[sequence][1])
+    assert [key[2] for key in assembler._pending] == [1, 2] and assembler.held <= 5 * size
+    with pytest.raises(DeltaFormatError) as refused:
+        Assembler(max_bytes=size - 1).add(chunks[0][0])
+    assert refused.value.reason == "too_large"
+    whole = Assembler(max_bytes=len(chunks[0]) * size)
+    assert [d for d in map(whole.add, chunks[0]) if d is not None], "a delta that fits completes"
