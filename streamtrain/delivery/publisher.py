@@ -297,7 +297,7 @@ class DirectoryTarget:
         chunks = encode(delta, DIRECTORY_CHUNK_BYTES)
         folder = f"{self.root}/{delta_name(delta.id.base_version, delta.id.sequence)}"
         try:
-            self.fs.makedirs(folder, exist_ok=True)
+            durable.make_folder(self.fs, folder)
             for part, chunk in enumerate(chunks):
                 self.fs.pipe_file(f"{folder}/{part_name(part)}", chunk)
             durable.sync_folder(self.fs, folder)
