@@ -18,13 +18,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import pickle
 import shutil
 import tempfile
-import threading
 import time
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +37,7 @@ from streamtrain.checkpoint import MARKER, SnapshotInfo, list_snapshots, verify_
 from streamtrain.config import FeaturesConfig, ModelConfig, TaskConfig, default_tasks
 from streamtrain.decode import ClickBatch
 from streamtrain.delivery.deltas import Delta, IdPiece
+from streamtrain.delivery.safeload import load_program
 from streamtrain.delivery.spec import (
     CURRENT,
     FORMAT_VERSION,
@@ -67,9 +64,6 @@ log = logging.getLogger(__name__)
 READER_SCHEMA = "reader.avsc"
 WRITER_SCHEMAS = "writer_schemas"
 _TABLE_FIELDS = {"name", "field", "num_embeddings", "embedding_dim", "pooling", "id_mapping"}
-_FORCE_SAFE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
-_CUSTOM_OBJ = "custom_obj_"
-_OPAQUE_OBJ = "opaque_obj_"
 
 
 class ExportError(RuntimeError):
@@ -420,45 +414,6 @@ class ServedIds:
 
     def clear(self) -> None:
         self.row_of, self.id_at = {}, {}
-
-
-class UnsafeBase(FormatError):
-    """A base whose program would run code from its folder when loaded."""
-
-    def __init__(self, message: str):
-        super().__init__("unsafe_base", message)
-
-
-_LOAD_LOCK = threading.Lock()
-
-
-def load_program(path: Path) -> torch.export.ExportedProgram:
-    """``torch.export.load`` without unpickling what a writer of the model folder controls.
-
-    torch 2.13's loader unpickles with ``weights_only=False`` the weights and constants that are
-    tensor subclasses, and legacy weight files; it unpickles custom and opaque objects with plain
-    pickle; and it falls back to ``weights_only=False`` for sample inputs it cannot load safely.
-    Our export writes none of these (plain tensors are raw bytes plus JSON metadata), so a program
-    that holds an object file is refused, and every ``torch.load`` the loader makes is forced to
-    ``weights_only=True`` (``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, set only around the load, under a
-    lock: the variable is the process's)."""
-    with zipfile.ZipFile(path) as archive:
-        for name in archive.namelist():
-            leaf = name.rsplit("/", 1)[-1]
-            if leaf.startswith((_CUSTOM_OBJ, _OPAQUE_OBJ)):
-                raise UnsafeBase(f"{path} holds {name}, a pickled object: refused (a base holds tensors only)")
-    with _LOAD_LOCK:
-        previous = os.environ.get(_FORCE_SAFE)
-        os.environ[_FORCE_SAFE] = "1"
-        try:
-            return torch.export.load(path)
-        except pickle.UnpicklingError as error:
-            raise UnsafeBase(f"{path} holds a pickle that is not plain tensors: refused ({error})") from None
-        finally:
-            if previous is None:
-                del os.environ[_FORCE_SAFE]
-            else:
-                os.environ[_FORCE_SAFE] = previous
 
 
 class ServableModel:
