@@ -31,7 +31,7 @@ from confluent_kafka import Producer
 
 from conftest import scrape
 from delivery_states import held_out, ranks_scores, set_delivery
-from streamtrain.delivery.artifact import export_snapshot
+from streamtrain.delivery.artifact import ServableModel, export_snapshot
 from streamtrain.delivery.deltas import HEADER_ALLOWANCE, MAGIC, Delta, DeltaId, DensePiece, RowPiece, encode
 from streamtrain.delivery.serve import KafkaDeltas, ScoringServer, ServeLimits
 from streamtrain.dev.kafka import KafkaBroker
@@ -402,3 +402,79 @@ def test_delivery_spec_a_third_party_reads_a_base_and_a_delta_with_the_spec_alon
     with torch.no_grad():
         got = module(features, torch.tensor(values, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int32))
     assert float(np.abs(got.numpy() - ranks_scores(root, 1, EVENTS)).max()) <= 1e-6
+
+
+class Polls:
+    """A delta source that returns the lists it is given, one a poll, once ``released``: which
+    chunks share a poll is the test's to choose (a Kafka poll takes whatever has arrived, up to 500)."""
+
+    def __init__(self, *polls: list[bytes]):
+        self.polls = list(polls)
+        self.released = threading.Event()
+        self.released.set()
+
+    def rewind(self, since_ms: int) -> None:
+        pass
+
+    def poll(self, timeout: float) -> list[bytes]:
+        if self.released.wait(timeout) and self.polls:
+            return self.polls.pop(0)
+        time.sleep(timeout)
+        return []
+
+    def caught_up(self) -> bool:
+        return not self.polls
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("reason", ["body_size", "header_json", "current", "header_field"])
+def test_mutated_chunks_nobody_foresaw_cost_their_own_delta_never_the_polls_others(states, tmp_path, reason):
+    """Each case shares one poll with delta 0, before it: the case is refused and counted, delta 0 applied."""
+    root, _snapshots, flat = states
+    good = encode(cut(flat, 0, 1, 0), MAX_MESSAGE_BYTES)
+    header, _body = split(next(c for c in good if split(c)[0]["kind"] == "rows"))
+    chunks = {
+        # numpy cannot lay out 0 rows of 2**62 columns
+        "body_size": lambda: [join({**header, "sequence": 5, "count": 0, "width": 2**62}, b"")],
+        # deeper than the JSON parser's recursion
+        "header_json": lambda: [join(b"[" * 50_000 + b"]" * 50_000, b"")],
+        # a gap, which looks for a base in current.json, broken below
+        "current": lambda: encode(cut(flat, 2, 3, 2), MAX_MESSAGE_BYTES),
+        # delta 0 with a high water past int64: once served, every /metrics scrape failed on it
+        "header_field": lambda: encode(
+            Delta(DeltaId("clicks", 1, 0, 1, 10**400, 0), dense=cut(flat, 0, 1, 0).dense[:1]), 2**20
+        ),
+    }[reason]()
+    out = base_of(states, tmp_path)
+    polls = Polls(chunks + good)
+    polls.released.clear()
+    with ScoringServer(out, polls, base_wait_seconds=600) as server:
+        if reason == "current":
+            (out / "current.json").write_text("{not json")
+        polls.released.set()
+        assert server.wait_ready(60)
+        wait_for(lambda: server.follower.next_sequence == 1, 30, "delta 0 applied")
+        assert distance(server.port, root, 1) <= 1e-6
+        samples = scrape(server.port)  # /metrics answers
+        assert samples.get(f'streamtrain_serve_bad_deltas_total{{reason="{reason}"}}', 0) >= 1, samples
+
+
+def test_a_delta_that_fails_while_written_is_put_back_and_the_rest_of_its_poll_is_read(states, tmp_path, monkeypatch):
+    root, _snapshots, flat = states
+    calls = []
+
+    def fails_once(self, pieces):  # after the weights are written, before the delta is served
+        calls.append(len(pieces))
+        if len(calls) == 1:
+            raise MemoryError("while writing the id maps")
+
+    monkeypatch.setattr(ServableModel, "_apply_ids", fails_once)
+    out = base_of(states, tmp_path)
+    polls = Polls(encode(cut(flat, 0, 1, 0), MAX_MESSAGE_BYTES) + encode(cut(flat, 1, 2, 1), MAX_MESSAGE_BYTES))
+    with ScoringServer(out, polls, base_wait_seconds=600) as server:
+        assert server.wait_ready(60)
+        wait_for(lambda: "waiting for a base" in (server.follower.behind or ""), 30, "delta 1 read after delta 0")
+        assert distance(server.port, root, 0) <= 1e-6  # delta 0's rows and dense values were put back
+        assert scrape(server.port)['streamtrain_serve_bad_deltas_total{reason="error"}'] == 1

@@ -21,6 +21,8 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -389,6 +391,10 @@ class ServedIds:
         self.unknown_row = unknown_row
         self.row_of: dict[int, int] = {}
         self.id_at: dict[int, int] = {}
+        # While an ``undoable`` block runs: (map, key, the value before) for each change, in order;
+        # None once a clear() has noted the whole maps (nothing after it needs noting).
+        self._journal: list[tuple[dict[int, int], int, int | None]] | None = None
+        self._before_clear: tuple[dict[int, int], dict[int, int]] | None = None
         self.assign(rows, ids)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -399,21 +405,51 @@ class ServedIds:
         for row, raw in zip(rows.tolist(), ids.tolist(), strict=True):
             previous = self.id_at.get(row)
             if previous is not None and self.row_of.get(previous) == row:
-                del self.row_of[previous]
+                self._set(self.row_of, previous, None)
             moved_from = self.row_of.get(raw)
             if moved_from is not None and self.id_at.get(moved_from) == raw:
-                del self.id_at[moved_from]
-            self.row_of[raw], self.id_at[row] = row, raw
+                self._set(self.id_at, moved_from, None)
+            self._set(self.row_of, raw, row)
+            self._set(self.id_at, row, raw)
 
     def evict(self, rows: np.ndarray, ids: np.ndarray) -> None:
         for row, raw in zip(rows.tolist(), ids.tolist(), strict=True):
             if self.row_of.get(raw) == row:
-                del self.row_of[raw]
+                self._set(self.row_of, raw, None)
             if self.id_at.get(row) == raw:
-                del self.id_at[row]
+                self._set(self.id_at, row, None)
 
     def clear(self) -> None:
+        if self._journal is not None and self._before_clear is None:
+            self._before_clear = (self.row_of, self.id_at)
         self.row_of, self.id_at = {}, {}
+
+    def _set(self, mapping: dict[int, int], key: int, value: int | None) -> None:
+        """``mapping[key] = value`` (None: removes it), noted in the journal."""
+        if self._journal is not None and self._before_clear is None:
+            self._journal.append((mapping, key, mapping.get(key)))
+        if value is None:
+            del mapping[key]
+        else:
+            mapping[key] = value
+
+    @contextmanager
+    def undoable(self) -> Iterator[None]:
+        """The changes made inside are taken back if it raises."""
+        self._journal, self._before_clear = [], None
+        try:
+            yield
+        except BaseException:
+            for mapping, key, before in reversed(self._journal):
+                if before is None:
+                    mapping.pop(key, None)
+                else:
+                    mapping[key] = before
+            if self._before_clear is not None:
+                self.row_of, self.id_at = self._before_clear
+            raise
+        finally:
+            self._journal, self._before_clear = None, None
 
 
 class ServableModel:
@@ -462,8 +498,29 @@ class ServableModel:
         return torch.cat(mapped)
 
     def apply(self, delta: Delta) -> None:
-        """Writes the delta's rows and dense values into the parameters. Checks every piece first,
-        so a delta that does not fit this base changes nothing."""
+        """Writes the delta into the served state, all or nothing: every piece is checked and staged
+        before anything is written (a delta that does not fit raises ``DeltaMismatch``), and if a
+        write still fails, what was written is put back before the error goes on."""
+        writes = self._staged(delta)
+        written: list[tuple[torch.Tensor, Any, torch.Tensor]] = []
+        try:
+            with torch.no_grad(), ExitStack() as maps:
+                for target, index, values in writes:
+                    written.append((target, index, target[index].clone()))
+                    target[index] = values
+                for served in self.id_maps.values():
+                    maps.enter_context(served.undoable())
+                self._apply_ids(delta.ids)
+        except BaseException:
+            with torch.no_grad():
+                for target, index, before in reversed(written):
+                    target[index] = before
+            raise
+
+    def _staged(self, delta: Delta) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
+        """Each write the delta makes, as (parameter, index, values); DeltaMismatch for a piece that
+        does not fit this base."""
+        writes: list[tuple[torch.Tensor, Any, torch.Tensor]] = []
         for row in delta.rows:
             table = self.tables.get(row.table)
             if table is None:
@@ -477,6 +534,9 @@ class ServableModel:
                 )
             if len(row.ids) and (row.ids.min() < 0 or row.ids.max() >= rows):
                 raise DeltaMismatch(f"delta {delta.id.sequence}: rows of {row.table} outside its {rows} x {dim} weight")
+            ids = torch.from_numpy(np.array(row.ids, dtype=np.int64))  # a chunk's arrays are read-only
+            values = torch.from_numpy(np.array(row.values, dtype=np.float32))
+            writes.append((table, (ids, slice(row.column, row.column + width)), values))
         for mapped in delta.ids:
             table = self.tables.get(mapped.table)
             if mapped.table not in self.id_maps or table is None:
@@ -493,22 +553,15 @@ class ServableModel:
                 tuple(parameter.shape) != tuple(piece.shape)
                 or piece.offset < 0
                 or piece.offset + piece.values.size > parameter.numel()
+                or not parameter.is_contiguous()
             ):
                 raise DeltaMismatch(
                     f"delta {delta.id.sequence}: elements [{piece.offset}, {piece.offset + piece.values.size}) of "
                     f"{piece.name}, {tuple(piece.shape)} in the delta, {tuple(parameter.shape)} here"
                 )
-        with torch.no_grad():
-            for row in delta.rows:
-                table = self.tables[row.table]
-                width = row.values.shape[1]
-                ids = torch.from_numpy(np.array(row.ids, dtype=np.int64))  # a chunk's ids are read-only
-                table[ids, row.column : row.column + width] = torch.from_numpy(np.array(row.values, np.float32))
-            for piece in delta.dense:
-                flat = self.dense[piece.name].view(-1)
-                end = piece.offset + piece.values.size
-                flat[piece.offset : end] = torch.from_numpy(np.array(piece.values, np.float32))
-        self._apply_ids(delta.ids)
+            values = torch.from_numpy(np.array(piece.values, dtype=np.float32).reshape(-1))
+            writes.append((parameter.view(-1), slice(piece.offset, piece.offset + values.numel()), values))
+        return writes
 
     def _apply_ids(self, pieces: list[IdPiece]) -> None:
         """Evictions first, then the rows' ids at the delta's step; a whole map replaces the table's."""

@@ -10,7 +10,8 @@ docs/delivery.md the design):
   from that base on. Without one in time, the delta is counted failed and the server keeps what it
   serves, until a later delta tries again;
 - a chunk or delta that is not in the format, or does not fit the base, is refused whole before
-  any of it is written, counted by reason, and leaves a gap like a lost delta;
+  any of it is written, counted by reason, and leaves a gap like a lost delta; so is one that
+  fails in a way nobody foresaw, each chunk on its own: the rest of a poll goes on;
 - a source that cannot be read (brokers down, a folder unreadable) is retried until it can.
 
 Replaying a Kafka delta topic (one partition) starts at the first message whose timestamp is at
@@ -231,13 +232,16 @@ class Follower:
             )
 
     def _take(self, chunk: bytes) -> None:
+        """One chunk, and its delta once whole. Whatever fails is this chunk's or this delta's
+        refusal, counted; the poll's other chunks go on."""
         try:
             delta = self.assembler.add(chunk)
+            if delta is not None:
+                self.offer(delta)
         except DeltaFormatError as error:
             self._refuse(error.reason, f"skipping a delta chunk: {error}")
-            return
-        if delta is not None:
-            self.offer(delta)
+        except Exception as error:
+            self._refuse("error", f"skipping a delta chunk, or the delta it completed, that failed: {error!r:.500}")
 
     def offer(self, delta: Delta) -> None:
         manifest = self.manifest
@@ -273,7 +277,7 @@ class Follower:
         started = time.perf_counter()
         try:
             with self.lock.write():
-                served.model.apply(delta)  # checks the whole delta first: a refused one changes nothing
+                served.model.apply(delta)  # all or nothing: a refused or failed one changes nothing
                 self.served = Served(served.model, delta.id.step, delta.id.sequence + 1)
         except DeltaMismatch as error:
             self._refuse(
