@@ -8,12 +8,15 @@ from __future__ import annotations
 import base64
 import json
 import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -26,10 +29,12 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from conftest import REPO, scrape
 from delivery_states import held_out, ranks_scores, set_delivery, small_config, train_states
 from streamtrain.config import KafkaConfig
-from streamtrain.delivery.artifact import export_snapshot
+from streamtrain.delivery.artifact import ServableModel, export_snapshot
 from streamtrain.delivery.deltas import Delta, DeltaId, DensePiece, RowPiece, encode
 from streamtrain.delivery.publisher import DeliveryFailed, TopicTarget
+from streamtrain.delivery.safeload import UnsafeBase
 from streamtrain.delivery.serve import DirectoryDeltas, KafkaDeltas, ScoringServer
+from streamtrain.delivery.spec import FormatError
 from streamtrain.dev.kafka import free_port
 from test_delivery_publisher import delta_messages
 
@@ -358,3 +363,59 @@ def test_a_delta_send_that_failed_partway_and_was_retried_is_applied(kafka, topi
         samples = scrape(server.port)
         assert samples["streamtrain_serve_deltas_applied_total"] == 1
         assert not any(k.startswith("streamtrain_serve_bad_deltas_total") for k in samples), samples
+
+
+def test_an_idle_server_still_scores_after_retention_removes_the_base_it_serves(kafka, topic_name, states, tmp_path):
+    """A server follows deltas on base 1 and scores nothing while newer bases are published and
+    retention removes base-000001/: its first score after that must succeed, as /readyz says."""
+    root, snapshots, flat = states
+    out = base_of(states, tmp_path)
+    create_delta_topic(kafka, topic_name)
+    publish(kafka, topic_name, cut(flat, 0, 1, 0))
+    with ScoringServer(out, KafkaDeltas(kafka.bootstrap_servers, topic_name)) as server:
+        assert server.wait_ready(60)
+        export_snapshot(snapshots[1], None, out, version=2, new_chain=True, keep=1)  # no gap: base 1 stays served
+        assert not (out / "base-000001").exists()
+        assert ready(server.port)
+        assert distance(server.port, root, 1) <= 1e-6
+        assert scrape(server.port)['streamtrain_serve_score_requests_total{outcome="ok"}'] == 1
+
+
+def test_a_manifest_naming_files_outside_its_base_or_a_tampered_program_is_refused(states, tmp_path):
+    out = base_of(states, tmp_path)
+    base = out / "base-000001"
+    manifest = json.loads((base / "manifest.json").read_text())
+    elsewhere = str((REPO / "schemas" / "click_event.avsc").resolve())  # a valid schema, outside the base
+    np.savez(tmp_path / "maps.npz", **{"user_id.rows": np.zeros(1, np.int64), "user_id.ids": np.zeros(1, np.int64)})
+    features = manifest["config"]["features"]
+    for name, changed in [
+        (
+            "absolute",
+            {**manifest, "config": {**manifest["config"], "features": {**features, "schema_path": elsewhere}}},
+        ),
+        (
+            "dotdot",
+            {**manifest, "config": {**manifest["config"], "features": {**features, "schema_path": "../../x.avsc"}}},
+        ),
+        ("id-map", {**manifest, "id_maps": {"user_id": {"unknown_row": 0, "file": str(tmp_path / "maps.npz")}}}),
+    ]:
+        copy = tmp_path / name / "base-000001"
+        shutil.copytree(base, copy)
+        (copy / "manifest.json").write_text(json.dumps(changed))
+        with pytest.raises(FormatError, match="must be a relative path inside the base"):
+            ServableModel(copy)
+    copy = tmp_path / "tampered" / "base-000001"
+    shutil.copytree(base, copy)
+    marker = tmp_path / "ran"
+    with zipfile.ZipFile(base / "model.pt2") as archive:
+        entries = {name: archive.read(name) for name in archive.namelist()}
+    (program,) = [name for name in entries if name.endswith("models/model.json")]
+    symbol = re.search(r'"expr_str": "(Symbol\([^"]*\))"', entries[program].decode())[1]
+    payload = json.dumps(f"__import__('pathlib').Path('{marker}').touch() or {symbol}")
+    entries[program] = entries[program].decode().replace(f'"{symbol}"', payload).encode()
+    with zipfile.ZipFile(copy / "model.pt2", "w") as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+    with pytest.raises(UnsafeBase, match="size expression"):
+        ServableModel(copy)
+    assert not marker.exists()

@@ -51,6 +51,7 @@ from streamtrain.delivery.spec import (
     IdMap,
     Manifest,
     Parameters,
+    base_file,
     base_name,
     parse_base,
     read_current,
@@ -359,10 +360,12 @@ def base_features(manifest: Manifest, base_dir: Path) -> tuple[FeaturesConfig, l
     """The feature config and tasks a base's events are decoded with, its schemas resolved inside it."""
     record = manifest.config
     features_record = dict(record["features"])
-    # The schemas travel inside the base: resolve them there, wherever the server runs.
-    features_record["schema_path"] = str(base_dir / features_record["schema_path"])
-    if features_record.get("writer_schemas_dir") == WRITER_SCHEMAS:
-        features_record["writer_schemas_dir"] = str(base_dir / WRITER_SCHEMAS)
+    # The schemas travel inside the base: resolve them there, wherever the server runs, and nowhere else.
+    schema_path = features_record.get("schema_path")
+    features_record["schema_path"] = str(base_file(base_dir, str(schema_path or ""), "features.schema_path"))
+    writer_schemas = features_record.get("writer_schemas_dir")
+    if writer_schemas is not None:
+        features_record["writer_schemas_dir"] = str(base_file(base_dir, str(writer_schemas), "writer_schemas_dir"))
     features, _model, tasks = servable_config({**record, "features": features_record})
     return features, tasks
 
@@ -453,7 +456,9 @@ class ServedIds:
 
 
 class ServableModel:
-    """A base loaded for scoring in this process: no process group, no DMP."""
+    """A base loaded for scoring in this process: no process group, no DMP. Everything a score
+    needs is read when it loads (program, manifest, id maps; a ``Scorer`` reads the schemas), so
+    the base's folder may be removed by retention while it is served."""
 
     def __init__(self, base_dir: str | Path):
         self.path = Path(base_dir)
@@ -470,8 +475,18 @@ class ServableModel:
         self.dense = {state_name: parameters[name] for state_name, name in names.dense.items()}
         self.id_maps: dict[str, ServedIds] = {}
         for table, entry in self.manifest.id_maps.items():
-            with np.load(self.path / entry.file, allow_pickle=False) as arrays:
+            with np.load(base_file(self.path, entry.file, f"id_maps.{table}.file"), allow_pickle=False) as arrays:
                 self.id_maps[table] = ServedIds(arrays[f"{table}.rows"], arrays[f"{table}.ids"], entry.unknown_row)
+        try:  # a base that loads but cannot score is refused here, not at its first request
+            with torch.no_grad():
+                self.module(*_example(self.features, 2))
+        except Exception as error:
+            raise FormatError("base", f"{self.path}: its program fails on two events: {error!r:.300}") from error
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every table and dense parameter: about what a delta carrying all of them holds."""
+        return sum(p.numel() * p.element_size() for p in (*self.tables.values(), *self.dense.values()))
 
     def score(self, batch: ClickBatch) -> np.ndarray:
         """Click probabilities [B, tasks], in the manifest's task order."""

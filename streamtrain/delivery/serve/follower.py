@@ -21,7 +21,8 @@ after it, and what the margin adds is skipped as already applied. Chunks may com
 and repeat (the producer's retries); ``Assembler`` makes whole deltas of them.
 
 A score sees one whole delta or none: the forward pass holds the state lock shared, applying a
-delta holds it alone.
+delta holds it alone. A base is loaded whole, its scorer included (``Served``): once it serves,
+nothing of it is read from its folder again, which retention may remove.
 """
 
 from __future__ import annotations
@@ -31,13 +32,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TypeVar
 
 from streamtrain.delivery.artifact import DeltaMismatch, ServableModel
 from streamtrain.delivery.deltas import Assembler, Delta, DeltaFormatError, DeltaId
 from streamtrain.delivery.serve.metrics import ServeMetrics
+from streamtrain.delivery.serve.scorer import Scorer
 from streamtrain.delivery.serve.sources import DeltaSource
 from streamtrain.delivery.spec import FormatError, Manifest, read_current, read_manifest
 from streamtrain.retry import Backoff, retry
@@ -46,6 +48,10 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 REPLAY_MARGIN_MS = 60_000
+# Incomplete deltas may hold this many times the served model's bytes (a delta of every row and
+# parameter, its ids and headers, and the next one starting), plus a floor for small models.
+PENDING_MODEL_MULTIPLE = 4
+PENDING_FLOOR_BYTES = 64 * 2**20
 # A delta source or the bases' folder that fails is tried again after 0.5 s, doubling to 5 s, until a stop.
 SOURCE_BACKOFF = Backoff(initial=0.5, maximum=5.0)
 
@@ -89,9 +95,11 @@ class StateLock:
 
 @dataclass(frozen=True)
 class Served:
-    """What a score sees: the model and where in its chain it is. Replaced whole, under the write lock."""
+    """What a score sees: the model, its scorer and where in its chain it is. Replaced whole, under
+    the write lock."""
 
     model: ServableModel
+    scorer: Scorer
     step: int
     next_sequence: int
 
@@ -150,10 +158,12 @@ class Follower:
     def load(self, base_dir: Path, source_timeout: float | None = None) -> None:
         """Serves the base in ``base_dir`` and rewinds the source to it, retrying a source that
         fails (for ``source_timeout`` seconds at most; None: until a stop)."""
-        model = ServableModel(base_dir)  # outside the lock: scores go on from the old base meanwhile
+        # Outside the lock: scores go on from the old base meanwhile.
+        model = ServableModel(base_dir)
+        scorer = Scorer(model)
         manifest = model.manifest
         with self.lock.write():
-            self.served = Served(model, manifest.step, manifest.delta_sequence)
+            self.served = Served(model, scorer, manifest.step, manifest.delta_sequence)
             self.loads += 1
         self.metrics.base_loads.inc()
         self.metrics.base_version.set(manifest.base_version)
@@ -161,7 +171,7 @@ class Follower:
         self.metrics.step.set(manifest.step)
         self.metrics.delta_sequence.set(manifest.delta_sequence - 1)
         self.metrics.high_water_ms = manifest.event_time_high_water_ms
-        self.assembler = Assembler()
+        self.assembler = Assembler(max_bytes=PENDING_MODEL_MULTIPLE * model.nbytes + PENDING_FLOOR_BYTES)
         self._gap, self.behind = None, None
         log.info(
             "serving base %s (step %d, chain %d, deltas from %d)",
@@ -278,7 +288,7 @@ class Follower:
         try:
             with self.lock.write():
                 served.model.apply(delta)  # all or nothing: a refused or failed one changes nothing
-                self.served = Served(served.model, delta.id.step, delta.id.sequence + 1)
+                self.served = replace(served, step=delta.id.step, next_sequence=delta.id.sequence + 1)
         except DeltaMismatch as error:
             self._refuse(
                 "mismatch", f"delta {delta.id.sequence} of chain {delta.id.base_version} does not fit: {error}"

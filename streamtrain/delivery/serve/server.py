@@ -25,11 +25,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from streamtrain.delivery.artifact import ServableModel
 from streamtrain.delivery.deltas import DeltaId
 from streamtrain.delivery.serve.follower import Follower
 from streamtrain.delivery.serve.metrics import ServeMetrics
-from streamtrain.delivery.serve.scorer import Scorer
 from streamtrain.delivery.serve.sources import DeltaSource, DeltaSourceUnavailable
 
 log = logging.getLogger(__name__)
@@ -85,7 +83,6 @@ class ScoringServer:
         self._token = _read_token(self.limits.token_file) if self.limits.token_file is not None else None
         self.metrics = ServeMetrics()
         self.follower = Follower(self.model_dir, deltas, self.metrics, base_wait_seconds, on_delta_applied)
-        self._scorers: dict[Path, Scorer] = {}
         self._in_flight = 0  # touched on the event loop only
         self._pool = ThreadPoolExecutor(self.limits.max_in_flight, thread_name_prefix="streamtrain-score")
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -238,13 +235,6 @@ class ScoringServer:
             }
         )
 
-    def _scorer(self, model: ServableModel) -> Scorer:
-        scorers = self._scorers
-        if model.path not in scorers:
-            scorers = {model.path: Scorer(model)}  # the old base's decoders go with it
-            self._scorers = scorers
-        return scorers[model.path]
-
     def score(self, events: list[Any]) -> ScoreOutcome:
         """Probabilities for ``events``: each a string (base64 of an Avro payload in the topic's
         wire format) or an object (the event's fields by the reader schema's names). Decoding runs
@@ -253,7 +243,7 @@ class ScoringServer:
         while True:
             served = self.follower.served
             assert served is not None
-            results, batches = self._scorer(served.model).decode(events)
+            results, batches = served.scorer.decode(events)
             with self.follower.lock.read():
                 now = self.follower.served
                 assert now is not None
