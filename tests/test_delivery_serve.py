@@ -13,16 +13,18 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from confluent_kafka import KafkaError, Producer
+from confluent_kafka import Consumer, KafkaError, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -419,3 +421,49 @@ def test_a_manifest_naming_files_outside_its_base_or_a_tampered_program_is_refus
     with pytest.raises(UnsafeBase, match="size expression"):
         ServableModel(copy)
     assert not marker.exists()
+
+
+class LeaderMoving:
+    """The delta consumer, whose time lookups answer with a partition error (as librdkafka reports
+    one, in the partition, without raising) until ``settled`` is set."""
+
+    def __init__(self, consumer: Consumer):
+        self.consumer, self.settled = consumer, threading.Event()
+
+    def offsets_for_times(self, partitions: list, timeout: float) -> list:
+        if self.settled.is_set():
+            return self.consumer.offsets_for_times(partitions, timeout=timeout)
+        return [
+            SimpleNamespace(
+                topic=partitions[0].topic, partition=0, offset=-1, error=KafkaError(KafkaError.LEADER_NOT_AVAILABLE)
+            )
+        ]
+
+    def __getattr__(self, name: str):
+        return getattr(self.consumer, name)
+
+
+def test_a_failed_time_lookup_is_retried_not_taken_for_no_deltas(kafka, topic_name, states, tmp_path):
+    root, _snapshots, flat = states
+    out = base_of(states, tmp_path)
+    create_delta_topic(kafka, topic_name)
+    publish(kafka, topic_name, cut(flat, 0, 1, 0))
+    deltas = KafkaDeltas(kafka.bootstrap_servers, topic_name)
+    lookups = LeaderMoving(deltas._consumer)
+    deltas._consumer = lookups
+    server = ScoringServer(out, deltas)
+    starting = threading.Thread(target=server.start, daemon=True)
+    starting.start()
+    try:
+        wait_for(lambda: server.follower.metrics.source_retries._value.get() >= 2, 60, "the lookup retried")
+        assert "rewinding the delta source failed" in (server.follower.behind or "")
+        assert not server.ready
+        lookups.settled.set()
+        starting.join(timeout=60)
+        assert server.wait_ready(60)
+        assert distance(server.port, root, 1) <= 1e-6  # delta 0, published before the base's cut, applied
+        assert ready(server.port)
+    finally:
+        lookups.settled.set()
+        starting.join(timeout=60)
+        server.stop()

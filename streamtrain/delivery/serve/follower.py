@@ -12,7 +12,8 @@ docs/delivery.md the design):
 - a chunk or delta that is not in the format, or does not fit the base, is refused whole before
   any of it is written, counted by reason, and leaves a gap like a lost delta; so is one that
   fails in a way nobody foresaw, each chunk on its own: the rest of a poll goes on;
-- a source that cannot be read (brokers down, a folder unreadable) is retried until it can.
+- a source that cannot be read (brokers down, a folder unreadable, a time lookup that failed) is
+  retried until it can, and /readyz says so meanwhile.
 
 Replaying a Kafka delta topic (one partition) starts at the first message whose timestamp is at
 or after the base's cut (the snapshot's wall time less its save time, ``cut_wall_time_ms``) less

@@ -65,6 +65,10 @@ class KafkaDeltas:
             found = self._consumer.offsets_for_times([TopicPartition(self.topic, 0, max(since_ms, 0))], timeout=10)[0]
         except KafkaException as error:
             raise DeltaSourceUnavailable(f"delta topic {self.topic}: {error.args[0]}") from None
+        if found.error is not None:  # a partition's own failure is reported, not raised
+            raise DeltaSourceUnavailable(
+                f"delta topic {self.topic}: looking up the first delta at or after {since_ms} ms failed: {found.error}"
+            )
         start = found.offset if found.offset >= 0 else high  # -1: nothing at or after that time
         self._end, self._position = high, max(start, low)
         self._consumer.assign([TopicPartition(self.topic, 0, self._position)])
