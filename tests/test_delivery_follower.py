@@ -14,6 +14,7 @@ cannot trust, on a real broker, real HTTP and real bases (the states of test_del
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 import random
@@ -47,6 +48,7 @@ from test_delivery_serve import (
     wait_for,
 )
 from test_delivery_spec import read_chunk, row_of
+from test_wire_format import _Registry, http_registry  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -478,3 +480,43 @@ def test_a_delta_that_fails_while_written_is_put_back_and_the_rest_of_its_poll_i
         wait_for(lambda: "waiting for a base" in (server.follower.behind or ""), 30, "delta 1 read after delta 0")
         assert distance(server.port, root, 0) <= 1e-6  # delta 0's rows and dense values were put back
         assert scrape(server.port)['streamtrain_serve_bad_deltas_total{reason="error"}'] == 1
+
+
+def test_score_limit_new_schema_ids_are_looked_up_beside_the_decoding_and_bounded(
+    states,
+    tmp_path,
+    http_registry,  # noqa: F811 (the fixture)
+):
+    """A client names the Confluent schema ids: one the registry is slow to answer must not hold up
+    the others, and made-up ids must cost a bounded number of lookups and bounded memory."""
+    from streamtrain.delivery.serve.scorer import MAX_LOOKUPS_PER_REQUEST
+
+    root, _snapshots, _flat = states
+    out = base_of(states, tmp_path)
+    manifest = json.loads((out / "base-000001" / "manifest.json").read_text())
+    registry = {"url": http_registry, "timeout_seconds": 5, "client_config": {"max.retries": 0}}
+    manifest["config"]["features"] |= {"wire_format": "confluent", "schema_registry": registry}
+    (out / "base-000001" / "manifest.json").write_text(json.dumps(manifest))
+    reader = json.dumps(manifest["reader_schema"])
+    _Registry.schemas, _Registry.delays = {7: reader, 8: reader}, {8: 3.0}
+    payloads, _ = held_out(EVENTS)
+
+    def body(*ids: int) -> bytes:
+        framed = [b"\x00" + i.to_bytes(4, "big") + p for i, p in zip(itertools.cycle(ids), payloads, strict=False)]
+        return json.dumps({"events": [base64.b64encode(f).decode() for f in framed]}).encode()
+
+    with ScoringServer(out, limits=ServeLimits(max_in_flight=4)) as server, ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(request, server.port, body(8))
+        wait_for(lambda: _Registry.requests >= 1, 30, "id 8 asked for")
+        status, _h, reply = request(server.port, body(7))
+        assert status == 200 and not slow.done(), "a score waited for another request's registry lookup"
+        got = np.array([r["probabilities"] for r in reply["results"]], dtype=np.float32)
+        assert np.abs(got - ranks_scores(root, 0, EVENTS)).max() <= 1e-6
+        assert slow.result()[0] == 200
+        asked = _Registry.requests
+        for first in range(1000, 1000 + 3 * EVENTS, EVENTS):  # made-up ids, every event its own
+            status, _h, reply = request(server.port, body(*range(first, first + EVENTS)))
+            assert status == 200 and all("error" in r for r in reply["results"])
+        assert _Registry.requests - asked <= 3 * MAX_LOOKUPS_PER_REQUEST
+        scorer = server.follower.served.scorer
+        assert set(scorer.avro.entries) <= {7, 8}, "the decoder met only ids it knows"
