@@ -18,6 +18,7 @@ import itertools
 import json
 import os
 import random
+import socket
 import struct
 import threading
 import time
@@ -520,3 +521,58 @@ def test_score_limit_new_schema_ids_are_looked_up_beside_the_decoding_and_bounde
         assert _Registry.requests - asked <= 3 * MAX_LOOKUPS_PER_REQUEST
         scorer = server.follower.served.scorer
         assert set(scorer.avro.entries) <= {7, 8}, "the decoder met only ids it knows"
+
+
+def raw_request(port: int, head: bytes, body: bytes = b"", wait: float = 30) -> bytes:
+    """What the server answers to bytes sent as they are (a header urllib would not send)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as connection:
+        connection.sendall(head + body)
+        return connection.recv(65536)
+
+
+def test_score_limit_a_slow_body_gives_its_slot_back(states, tmp_path):
+    out = base_of(states, tmp_path)
+    payloads, _ = held_out(2)
+    body = json.dumps({"events": [base64.b64encode(p).decode() for p in payloads]}).encode()
+    with ScoringServer(out, limits=ServeLimits(max_in_flight=1, body_timeout_seconds=1.0)) as server:
+        port = server.port
+        with socket.create_connection(("127.0.0.1", port), timeout=15) as slow:
+            slow.sendall(
+                b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 9999\r\n\r\n{"
+            )
+            wait_for(lambda: server._in_flight == 1, 30, "the slow request in its slot")
+            assert request(port, body)[0] == 503
+            assert slow.recv(4096).startswith(b"HTTP/1.1 408"), "the slow body was given up"
+        assert request(port, body)[0] == 200
+        samples = scrape(port)
+        assert samples['streamtrain_serve_score_requests_total{outcome="slow_body"}'] == 1
+
+
+def test_score_limit_bytes_a_header_or_a_body_the_parsers_choke_on_get_a_counted_answer(states, tmp_path):
+    out = base_of(states, tmp_path)
+    (tmp_path / "token").write_text("s3cret")
+    _payloads, records = held_out(1)
+    event = {k: v for k, v in records[0].items() if k not in ("clk", "buy", "event_time")}
+    with ScoringServer(out, limits=ServeLimits(token_file=tmp_path / "token")) as server:
+        port = server.port
+        answer = raw_request(
+            port,
+            b"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n",
+            b"Content-Length: 2\r\n\r\n{}",
+        )
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+        nested: object = 1
+        for _ in range(200):
+            nested = {"a": nested}
+        events = [{**event, "user_id": 2**70}, {**event, "user_id": nested}, event]
+        status, _h, reply = request(port, json.dumps({"events": events}).encode(), "s3cret")
+        assert status == 200 and "probabilities" in reply["results"][2], reply
+        assert all("error" in r for r in reply["results"][:2]), reply["results"][:2]
+        deep = b'{"events": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        assert request(port, deep, "s3cret")[0] == 400
+        samples = scrape(port)
+        outcomes = {
+            k.split('"')[1]: v for k, v in samples.items() if k.startswith("streamtrain_serve_score_requests_total")
+        }
+        assert outcomes == {"unauthorized": 1, "ok": 1, "bad_request": 1}, outcomes
+        assert samples["streamtrain_serve_rejected_events_total"] == 2

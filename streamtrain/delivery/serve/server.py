@@ -50,6 +50,7 @@ class ServeLimits:
     max_events: int = 10_000
     max_in_flight: int = 8
     token_file: Path | None = None
+    body_timeout_seconds: float = 10.0
 
 
 class ScoringServer:
@@ -58,9 +59,11 @@ class ScoringServer:
     are applied.
 
     Limits, so that it can face clients it does not trust: a body over ``max_request_bytes`` or
-    with over ``max_events`` events gets 413; over ``max_in_flight`` requests at once get 503 with
-    ``Retry-After`` (before their bodies are read); with ``token_file``, /score wants
-    ``Authorization: Bearer <the file's content>`` (401 otherwise). TLS is the mesh's job."""
+    with over ``max_events`` events gets 413; a body not received within ``body_timeout_seconds``
+    gets 408, so a slow client gives its slot back; over ``max_in_flight`` requests at once get 503
+    with ``Retry-After`` (before their bodies are read); with ``token_file``, /score wants
+    ``Authorization: Bearer <the file's content>`` (401 otherwise). Every answer is counted by
+    outcome, an unforeseen failure too (500, ``error``). TLS is the mesh's job."""
 
     def __init__(
         self,
@@ -195,11 +198,18 @@ class ScoringServer:
         return web.json_response({"error": reason}, status=status, headers=headers)
 
     async def _score(self, request: web.Request) -> web.Response:
+        try:
+            return await self._scored(request)
+        except Exception as error:  # counted, not aiohttp's bare 500
+            log.exception("a score request failed")
+            return self._refused(500, "error", f"the server failed: {type(error).__name__}")
+
+    async def _scored(self, request: web.Request) -> web.Response:
         started = time.perf_counter()
         limits = self.limits
-        if self._token is not None and not hmac.compare_digest(
-            request.headers.get("Authorization", "").encode(), b"Bearer " + self._token
-        ):
+        # A header that is not UTF-8 reaches here as surrogates: as bytes again, it is simply another token.
+        sent = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+        if self._token is not None and not hmac.compare_digest(sent, b"Bearer " + self._token):
             return self._refused(401, "unauthorized", "a bearer token is needed", **{"WWW-Authenticate": "Bearer"})
         if self._in_flight >= limits.max_in_flight:
             return self._refused(
@@ -210,14 +220,20 @@ class ScoringServer:
             if (request.content_length or 0) > limits.max_request_bytes:
                 return self._refused(413, "too_large", f"the body is over {limits.max_request_bytes} bytes")
             try:
-                data = await request.read()
+                data = await asyncio.wait_for(request.read(), limits.body_timeout_seconds)
             except web.HTTPRequestEntityTooLarge:
                 return self._refused(413, "too_large", f"the body is over {limits.max_request_bytes} bytes")
+            except TimeoutError:
+                slow = self._refused(
+                    408, "slow_body", f"the body did not arrive within {limits.body_timeout_seconds:g}s"
+                )
+                slow.force_close()  # the rest of that body is never read
+                return slow
             loop = asyncio.get_running_loop()
             try:
                 events = await loop.run_in_executor(self._pool, _events, data)
-            except ValueError as error:
-                return self._refused(400, "bad_request", f"bad request: {error}")
+            except (ValueError, RecursionError) as error:
+                return self._refused(400, "bad_request", f"bad request: {error!r:.300}")
             if len(events) > limits.max_events:
                 return self._refused(413, "too_many_events", f"{len(events)} events; at most {limits.max_events}")
             outcome = await loop.run_in_executor(self._pool, self.score, events)
