@@ -146,9 +146,14 @@ def distance(port: int, root: Path, state: int) -> float:
 
 
 def base_of(states, tmp_path: Path) -> Path:
-    _root, snapshots, _flat = states
+    """A bases' folder under ``tmp_path`` serving base 1, of state 0: a copy of one export per states."""
+    root, snapshots, _flat = states
+    exported = root / "serving-base-1"
+    if not exported.exists():
+        export_snapshot(snapshots[0], None, root / "exporting", version=1, new_chain=True)
+        (root / "exporting").rename(exported)
     out = tmp_path / "serving"
-    export_snapshot(snapshots[0], None, out, version=1, new_chain=True)
+    shutil.copytree(exported, out)
     return out
 
 
