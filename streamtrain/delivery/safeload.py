@@ -127,13 +127,12 @@ def expression_problem(text: str) -> str | None:
     if len(text) > MAX_LENGTH:
         return f"is longer than {MAX_LENGTH} characters"
     tokens: list[tuple[str, str]] = []
-    position = 0
-    while position < len(text.rstrip()):
+    position, end = 0, len(text.rstrip())
+    while position < end:
         match = _TOKEN.match(text, position)
-        if match is None:
+        if match is None or match.lastindex is None:
             return f"has {text[position : position + 20].strip()!r} at {position}, not a token of the grammar"
-        kind = ("word", "int", "name", "punct")[match.lastindex - 1 if match.lastindex else 0]
-        tokens.append((kind, match[match.lastindex or 0]))
+        tokens.append((("word", "int", "name", "punct")[match.lastindex - 1], match[match.lastindex]))
         position = match.end()
     parser = _Parser(tokens)
     why = parser.expression(0)
