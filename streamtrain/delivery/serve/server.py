@@ -200,6 +200,8 @@ class ScoringServer:
     async def _score(self, request: web.Request) -> web.Response:
         try:
             return await self._scored(request)
+        except web.HTTPException:  # aiohttp's own answers
+            raise
         except Exception as error:  # counted, not aiohttp's bare 500
             log.exception("a score request failed")
             return self._refused(500, "error", f"the server failed: {type(error).__name__}")
