@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import json
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -17,7 +16,6 @@ import threading
 import time
 import urllib.error
 import urllib.request
-import zipfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,6 +37,7 @@ from streamtrain.delivery.serve import DirectoryDeltas, KafkaDeltas, ScoringServ
 from streamtrain.delivery.spec import FormatError
 from streamtrain.dev.kafka import free_port
 from test_delivery_publisher import delta_messages
+from test_delivery_spec import code_in_an_expression
 
 pytestmark = pytest.mark.integration
 
@@ -413,19 +412,10 @@ def test_a_manifest_naming_files_outside_its_base_or_a_tampered_program_is_refus
             ServableModel(copy)
     copy = tmp_path / "tampered" / "base-000001"
     shutil.copytree(base, copy)
-    marker = tmp_path / "ran"
-    with zipfile.ZipFile(base / "model.pt2") as archive:
-        entries = {name: archive.read(name) for name in archive.namelist()}
-    (program,) = [name for name in entries if name.endswith("models/model.json")]
-    symbol = re.search(r'"expr_str": "(Symbol\([^"]*\))"', entries[program].decode())[1]
-    payload = json.dumps(f"__import__('pathlib').Path('{marker}').touch() or {symbol}")
-    entries[program] = entries[program].decode().replace(f'"{symbol}"', payload).encode()
-    with zipfile.ZipFile(copy / "model.pt2", "w") as archive:
-        for name, data in entries.items():
-            archive.writestr(name, data)
+    code_in_an_expression(base / "model.pt2", copy / "model.pt2", tmp_path / "ran")
     with pytest.raises(UnsafeBase, match="size expression"):
         ServableModel(copy)
-    assert not marker.exists()
+    assert not (tmp_path / "ran").exists(), "loading a base ran code from it"
 
 
 class LeaderMoving:

@@ -379,24 +379,29 @@ def test_the_assembler_holds_a_bounded_number_of_bytes_and_refuses_a_delta_large
     assert [d for d in map(whole.add, chunks[0]) if d is not None], "a delta that fits completes"
 
 
+def code_in_an_expression(program: Path, out: Path, marker: Path) -> None:
+    """Writes ``program`` to ``out`` with its first symbolic size's ``expr_str`` made to touch
+    ``marker`` too, when evaluated as Python (as ``sympy.sympify`` does)."""
+    with zipfile.ZipFile(program) as archive:
+        entries = {name: archive.read(name) for name in archive.namelist()}
+    (model,) = [name for name in entries if name.endswith("models/model.json")]
+    text = entries[model].decode()
+    found = re.search(r'"expr_str": "(Symbol\([^"]*\))"', text)
+    assert found, "the exported program has a symbolic size"
+    payload = json.dumps({"expr_str": f"__import__('pathlib').Path('{marker}').touch() or {found[1]}"})
+    entries[model] = text.replace(found[0], payload[1:-1], 1).encode()
+    with zipfile.ZipFile(out, "w") as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+
+
 def test_delivery_spec_a_base_whose_size_expressions_would_run_code_is_refused_before_loading(tmp_path):
     """``torch.export.load`` hands each ``expr_str`` to ``sympy.sympify``, which evaluates Python."""
     batch = torch.export.Dim("batch", min=2, max=1024)
     program = torch.export.export(torch.nn.Linear(3, 2), (torch.ones(4, 3),), dynamic_shapes={"input": {0: batch}})
     torch.export.save(program, tmp_path / "model.pt2")
     load_program(tmp_path / "model.pt2")  # the grammar takes what torch writes
-    marker = tmp_path / "ran"
-    with zipfile.ZipFile(tmp_path / "model.pt2") as archive:
-        entries = {name: archive.read(name) for name in archive.namelist()}
-    (model,) = [name for name in entries if name.endswith("models/model.json")]
-    text = entries[model].decode()
-    found = re.findall(r'"expr_str": "(Symbol\([^"]*\))"', text)
-    assert found, "the exported program has a symbolic batch size"
-    payload = f"__import__('pathlib').Path('{marker}').touch() or {found[0]}"
-    tampered = text.replace(f'"expr_str": "{found[0]}"', json.dumps({"expr_str": payload})[1:-1], 1)
-    with zipfile.ZipFile(tmp_path / "tampered.pt2", "w") as archive:
-        for name, data in entries.items():
-            archive.writestr(name, tampered.encode() if name == model else data)
+    code_in_an_expression(tmp_path / "model.pt2", tmp_path / "tampered.pt2", tmp_path / "ran")
     with pytest.raises(UnsafeBase, match="size expression"):
         load_program(tmp_path / "tampered.pt2")
-    assert not marker.exists(), "loading a base ran code from it"
+    assert not (tmp_path / "ran").exists(), "loading a base ran code from it"
