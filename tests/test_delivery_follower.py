@@ -521,6 +521,10 @@ def test_score_limit_new_schema_ids_are_looked_up_beside_the_decoding_and_bounde
         assert _Registry.requests - asked <= 3 * MAX_LOOKUPS_PER_REQUEST
         scorer = server.follower.served.scorer
         assert set(scorer.avro.entries) <= {7, 8}, "the decoder met only ids it knows"
+        _Registry.failures = 10**6  # an outage: one lookup waits out the registry's timeout, not one an id
+        status, _h, reply = request(server.port, body(2000, 2001, 2002))
+        errors = [r["error"] for r in reply["results"][:3]]
+        assert status == 200 and "did not answer" in errors[0] and all("not looked up" in e for e in errors[1:])
 
 
 def raw_request(port: int, head: bytes, body: bytes = b"", wait: float = 30) -> bytes:

@@ -91,6 +91,7 @@ class WriterSchemas:
                 schema = self.lookup.writer_schema(schema_id)
             except SchemaSourceUnavailable as error:  # not remembered: the next request asks again
                 problems[schema_id] = f"schema id {schema_id}: the schema registry did not answer: {error}"
+                lookups = MAX_LOOKUPS_PER_REQUEST  # nor is it asked again in this request: it waited enough
                 continue
             except BadWriterSchema as error:
                 schema, why = None, f"writer schema {schema_id}: {error}"
