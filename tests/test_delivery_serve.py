@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from conftest import REPO, scrape
 from delivery_states import held_out, ranks_scores, set_delivery, small_config, train_states
 from streamtrain.config import KafkaConfig
+from streamtrain.delivery import artifact
 from streamtrain.delivery.artifact import ServableModel, export_snapshot
 from streamtrain.delivery.deltas import Delta, DeltaId, DensePiece, RowPiece, encode
 from streamtrain.delivery.publisher import DeliveryFailed, TopicTarget
@@ -374,13 +375,19 @@ def test_a_delta_send_that_failed_partway_and_was_retried_is_applied(kafka, topi
 def test_an_idle_server_still_scores_after_retention_removes_the_base_it_serves(kafka, topic_name, states, tmp_path):
     """A server follows deltas on base 1 and scores nothing while newer bases are published and
     retention removes base-000001/: its first score after that must succeed, as /readyz says."""
-    root, snapshots, flat = states
+    root, _snapshots, flat = states
     out = base_of(states, tmp_path)
     create_delta_topic(kafka, topic_name)
     publish(kafka, topic_name, cut(flat, 0, 1, 0))
     with ScoringServer(out, KafkaDeltas(kafka.bootstrap_servers, topic_name)) as server:
         assert server.wait_ready(60)
-        export_snapshot(snapshots[1], None, out, version=2, new_chain=True, keep=1)  # no gap: base 1 stays served
+        # Base 2 published as an export publishes it, its chain starting there (no gap: base 1 stays
+        # served), then the export's retention keeping one base.
+        shutil.copytree(out / "base-000001", out / "base-000002")
+        manifest = json.loads((out / "base-000002" / "manifest.json").read_text())
+        (out / "base-000002" / "manifest.json").write_text(json.dumps(manifest | {"base_version": 2, "chain": 2}))
+        artifact._point_current(out, 2, "base-000002")
+        artifact._retain(out, keep=1)
         assert not (out / "base-000001").exists()
         assert ready(server.port)
         assert distance(server.port, root, 1) <= 1e-6
