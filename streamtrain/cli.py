@@ -303,7 +303,9 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    limits = ServeLimits(args.max_request_bytes, args.max_events, args.max_in_flight, args.token_file)
+    limits = ServeLimits(
+        args.max_request_bytes, args.max_events, args.max_in_flight, args.token_file, args.body_timeout_seconds
+    )
     try:
         server = ScoringServer(
             model, deltas, args.host, args.port, args.base_wait_seconds, args.base_wait_seconds, limits=limits
@@ -631,6 +633,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_count,
         default=8,
         help="/score requests handled at once; more get 503 with Retry-After (default 8)",
+    )
+    serve.add_argument(
+        "--body-timeout-seconds",
+        type=float,
+        default=10.0,
+        help="a /score body not received within this many seconds gets 408, freeing its slot (default 10)",
     )
     serve.add_argument(
         "--token-file",

@@ -9,6 +9,7 @@ import json
 import logging
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
@@ -208,15 +209,18 @@ def test_wire_format_config_names_the_missing_source():
 
 
 class _Registry(BaseHTTPRequestHandler):
-    """The registry's REST surface for GET /schemas/ids/<id>: fails ``failures`` times, then answers."""
+    """The registry's REST surface for GET /schemas/ids/<id>: fails ``failures`` times, then
+    answers, after ``delays[id]`` seconds."""
 
     schemas: ClassVar[dict[int, str]] = {}
+    delays: ClassVar[dict[int, float]] = {}
     failures = 0
     requests = 0
 
     def do_GET(self):
         type(self).requests += 1
         schema_id = int(self.path.split("?")[0].rstrip("/").rsplit("/", 1)[-1])
+        time.sleep(self.delays.get(schema_id, 0.0))
         if type(self).failures > 0:
             type(self).failures -= 1
             self._reply(503, {"error_code": 50301, "message": "overloaded"})
@@ -240,6 +244,7 @@ class _Registry(BaseHTTPRequestHandler):
 @pytest.fixture
 def http_registry():
     _Registry.schemas, _Registry.failures, _Registry.requests = {7: json.dumps(writer_v2())}, 0, 0
+    _Registry.delays = {}
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Registry)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

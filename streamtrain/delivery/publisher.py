@@ -9,13 +9,15 @@ gathers the copies to rank 0 on another gloo group, and rank 0 encodes them
 (``streamtrain.delivery.deltas``) and delivers them to the delta topic or directory. One delta is
 in flight at a time: the next is cut only at a step every rank agrees the last is done.
 
-A delivery that fails is counted and retried with the same chunks (duplicates are harmless: the
-reader assembles each part once), the wait doubling up to ``RETRY_MAX_SECONDS``, while training
-goes on. Meanwhile no new delta is cut, and the touched ids keep accumulating, compacted, so the
-backlog is at most one id per table row plus the one delta in flight; once the target takes the
-retried delta, the next carries every row touched meanwhile. A delta still undelivered at a
-graceful stop is given up after a bounded wait and counted: its sequence number is then missing,
-which the server handles by reloading the newest base (the worker publishes one at the stop).
+A delivery that fails is counted and retried with the same chunks, the wait doubling up to
+``RETRY_MAX_SECONDS``, while training goes on. Duplicates are harmless: the reader assembles each
+part once, and the delta is stamped with its publication time once, at the cut, so the chunks a
+failed attempt left on the topic belong to the same delta as the retry's. Meanwhile no new delta
+is cut, and the touched ids keep accumulating, compacted, so the backlog is at most one id per
+table row plus the one delta in flight; once the target takes the retried delta, the next
+carries every row touched meanwhile. A delta still undelivered at a graceful stop is given up
+after a bounded wait and counted: its sequence number is then missing, which the server handles
+by reloading the newest base (the worker publishes one at the stop).
 
 Bases come from ``streamtrain export``, run by rank 0 as a background process, never on the
 training thread: one at start (``--new-chain``: every start begins a chain), one every
@@ -35,7 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import fsspec
@@ -251,7 +253,7 @@ class TopicTarget:
                 self._connect()
         except Exception as error:
             raise DeliveryFailed(f"the delta topic {self.topic} is unreachable: {error}") from None
-        chunks = encode(replace(delta, id=replace(delta.id, published_at_ms=int(time.time() * 1000))), self.max_bytes)
+        chunks = encode(delta, self.max_bytes)
         errors: list[str] = []
 
         def delivered(error: Any, _message: Any) -> None:
@@ -297,12 +299,10 @@ class DirectoryTarget:
         self.pruned_at = -float("inf")
 
     def send(self, delta: Delta) -> int:
-        chunks = encode(
-            replace(delta, id=replace(delta.id, published_at_ms=int(time.time() * 1000))), DIRECTORY_CHUNK_BYTES
-        )
+        chunks = encode(delta, DIRECTORY_CHUNK_BYTES)
         folder = f"{self.root}/{delta_name(delta.id.base_version, delta.id.sequence)}"
         try:
-            self.fs.makedirs(folder, exist_ok=True)
+            durable.make_folder(self.fs, folder)
             for part, chunk in enumerate(chunks):
                 self.fs.pipe_file(f"{folder}/{part_name(part)}", chunk)
             durable.sync_folder(self.fs, folder)
@@ -660,7 +660,10 @@ class Publisher:
         if self.id_space is not None:
             mapped = id_pieces(self.id_space, ids, self.id_space_step)
             self.id_space_step = self.id_space.step
-        delta_id = DeltaId(self.model_id, position.chain, position.next_sequence, self.stream.step, high_water, 0)
+        published_at_ms = int(time.time() * 1000)  # once: every attempt to deliver it carries the same identity
+        delta_id = DeltaId(
+            self.model_id, position.chain, position.next_sequence, self.stream.step, high_water, published_at_ms
+        )
         self.stream.delivery = DeliveryPosition(position.chain, position.next_sequence + 1)
         self.last_cut_at, self.last_cut_step = self.clock(), self.stream.step
         # A delta cuts the step after the vote that found it due. One held back by the delta in
