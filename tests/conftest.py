@@ -163,6 +163,7 @@ class WorkerProcess:
         env: dict[str, str] | None = None,
         local_rank: int = 0,
         launcher: Sequence[str] = (),
+        cwd: Path = REPO,
     ):
         self.metrics_port = free_port()
         self.log_path = Path(f"/tmp/streamtrain-test-{topic}-{self.metrics_port}.log")
@@ -179,7 +180,7 @@ class WorkerProcess:
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - the worker writes it until it is killed
         self.process = subprocess.Popen(
             [sys.executable, *launcher, "-m", "streamtrain", "worker", "--config", str(config), *args],
-            cwd=REPO,
+            cwd=cwd,
             env=environ,
             stdout=self.log,
             stderr=subprocess.STDOUT,
