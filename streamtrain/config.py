@@ -1213,8 +1213,8 @@ class WorkerConfig(_Strict):
 
     def checkpoint_path_for_delivery(self) -> str:
         """checkpoint.path, which delivery needs. Asked when the worker starts, not when the config
-        is parsed: the reference config has delivery on and leaves checkpoint.path to the
-        deployment, and ``streamtrain plan`` and the benchmarks read it without either."""
+        is parsed: ``streamtrain plan`` and the benchmarks read configs with delivery on and
+        checkpoint.path removed or unset."""
         if not self.checkpoint.path:
             raise ConfigError(
                 "invalid worker configuration:\n  delivery.enabled needs checkpoint.path: bases are exported "
