@@ -480,12 +480,16 @@ class SchemaRegistryConfig(_ClientProperties):
 
     @field_validator("client_config", "client_config_files")
     @classmethod
-    def _known_to_the_registry_client(cls, value: dict[str, Any]) -> dict[str, Any]:
-        # One at a time: the client checks the values of the names it knows before it names the others.
+    def _known_to_the_registry_client(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # One at a time: the client checks the values of the names it knows before it names the
+        # others. A file's property is tried with a value of the form the secrets take.
+        files = info.field_name == "client_config_files"
         unknown = [
             name
             for name, given in value.items()
-            if (registry_client_refusal({name: given}) or "").startswith("Unrecognized properties")
+            if (registry_client_refusal({name: "user:password" if files else given}) or "").startswith(
+                "Unrecognized properties"
+            )
         ]
         if unknown:
             raise ValueError(f"confluent-kafka's registry client has no properties {unknown}")
@@ -620,8 +624,8 @@ def registry_client_refusal(properties: Mapping[str, Any], url: str = "http://12
 
     try:
         SchemaRegistryClient({"url": url, **properties})
-    except (ValueError, TypeError) as error:
-        return str(error)
+    except Exception as error:  # ValueError and TypeError by its checks, others by what they met
+        return f"{type(error).__name__}: {error}" if not isinstance(error, (ValueError, TypeError)) else str(error)
     return None
 
 
