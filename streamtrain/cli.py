@@ -350,6 +350,7 @@ def _serving_sources(args: argparse.Namespace) -> tuple[Path, DeltaSource | None
             raise ConfigError("--deltas TOPIC needs --bootstrap-servers HOST:PORT, or the worker's --config")
         return model, KafkaDeltas(args.bootstrap_servers, args.deltas)
     kafka = config.kafka
+    config.check_clients()  # a property librdkafka refuses is named now, not at the first poll
     return model, KafkaDeltas(
         args.bootstrap_servers or kafka.bootstrap_servers,
         args.deltas or config.delivery.resolved_topic(kafka.topic),

@@ -203,6 +203,7 @@ def run_worker(
     """
     if config.delivery.enabled:
         config.checkpoint_path_for_delivery()  # refused before anything starts
+    config.check_clients()  # so are client properties librdkafka or the registry client refuse
     shutdown = _Shutdown(config.distributed.shutdown_grace_seconds)
     outcome = _Outcome()
     with contextlib.ExitStack() as resources:

@@ -49,7 +49,8 @@ from test_delivery_serve import (
     wait_for,
 )
 from test_delivery_spec import read_chunk, row_of
-from test_wire_format import _Registry, http_registry  # noqa: F401 (a fixture)
+from schema_registry import StandInRegistry
+from test_wire_format import http_registry  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -499,7 +500,7 @@ def test_score_limit_new_schema_ids_are_looked_up_beside_the_decoding_and_bounde
     manifest["config"]["features"] |= {"wire_format": "confluent", "schema_registry": registry}
     (out / "base-000001" / "manifest.json").write_text(json.dumps(manifest))
     reader = json.dumps(manifest["reader_schema"])
-    _Registry.schemas, _Registry.delays = {7: reader, 8: reader}, {8: 3.0}
+    StandInRegistry.schemas, StandInRegistry.delays = {7: reader, 8: reader}, {8: 3.0}
     payloads, _ = held_out(EVENTS)
 
     def body(*ids: int) -> bytes:
@@ -508,20 +509,20 @@ def test_score_limit_new_schema_ids_are_looked_up_beside_the_decoding_and_bounde
 
     with ScoringServer(out, limits=ServeLimits(max_in_flight=4)) as server, ThreadPoolExecutor(1) as pool:
         slow = pool.submit(request, server.port, body(8))
-        wait_for(lambda: _Registry.requests >= 1, 30, "id 8 asked for")
+        wait_for(lambda: StandInRegistry.requests >= 1, 30, "id 8 asked for")
         status, _h, reply = request(server.port, body(7))
         assert status == 200 and not slow.done(), "a score waited for another request's registry lookup"
         got = np.array([r["probabilities"] for r in reply["results"]], dtype=np.float32)
         assert np.abs(got - ranks_scores(root, 0, EVENTS)).max() <= 1e-6
         assert slow.result()[0] == 200
-        asked = _Registry.requests
+        asked = StandInRegistry.requests
         for first in range(1000, 1000 + 3 * EVENTS, EVENTS):  # made-up ids, every event its own
             status, _h, reply = request(server.port, body(*range(first, first + EVENTS)))
             assert status == 200 and all("error" in r for r in reply["results"])
-        assert _Registry.requests - asked <= 3 * MAX_LOOKUPS_PER_REQUEST
+        assert StandInRegistry.requests - asked <= 3 * MAX_LOOKUPS_PER_REQUEST
         scorer = server.follower.served.scorer
         assert set(scorer.avro.entries) <= {7, 8}, "the decoder met only ids it knows"
-        _Registry.failures = 10**6  # an outage: one lookup waits out the registry's timeout, not one an id
+        StandInRegistry.failures = 10**6  # an outage: one lookup waits out the registry's timeout, not one an id
         status, _h, reply = request(server.port, body(2000, 2001, 2002))
         errors = [r["error"] for r in reply["results"][:3]]
         assert status == 200 and "did not answer" in errors[0] and all("not looked up" in e for e in errors[1:])

@@ -53,6 +53,7 @@ from streamtrain.delivery.spec import (
     Parameters,
     base_file,
     base_name,
+    current_pointer,
     parse_base,
     read_current,
     read_manifest,
@@ -344,7 +345,7 @@ def _own_version() -> str:
 
 
 def _point_current(out: Path, version: int, name: str) -> None:
-    durable.publish_file(LocalFileSystem(), str(out / CURRENT), json.dumps({"version": version, "path": name}).encode())
+    durable.publish_file(LocalFileSystem(), str(out / CURRENT), current_pointer(version, name))
 
 
 def _retain(out: Path, keep: int) -> None:

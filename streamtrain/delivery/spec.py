@@ -255,15 +255,23 @@ def base_file(base_dir: Path, name: str, what: str) -> Path:
     return base_dir / name
 
 
+def current_pointer(version: int, name: str) -> bytes:
+    """``current.json``'s content naming base ``name`` of ``version``, with the format it is in."""
+    return json.dumps({"format": FORMAT_VERSION, "version": version, "path": name}).encode()
+
+
 def read_current(model_dir: Path) -> dict[str, Any] | None:
     """``current.json``'s content (``{"version", "path"}``), or None when no base is published.
-    Its ``path`` must be a base folder's name, so it cannot point outside ``model_dir``."""
+    Its ``path`` must be a base folder's name, so it cannot point outside ``model_dir``. One
+    written without ``format`` (before the field) is format 1."""
     try:
         raw = json.loads((model_dir / CURRENT).read_bytes())
     except FileNotFoundError:
         return None
     except (ValueError, RecursionError) as error:  # a pointer a writer broke: as if it named no base
         raise FormatError("current", f"{model_dir / CURRENT} is not JSON: {error!r:.200}") from None
+    if isinstance(raw, dict):
+        check_format(raw.get("format"), str(model_dir / CURRENT))
     name = raw.get("path") if isinstance(raw, dict) else None
     parsed = parse_base(name) if isinstance(name, str) else None
     if parsed is None or parsed.partial:
