@@ -33,6 +33,7 @@ from confluent_kafka import Producer
 
 from conftest import scrape
 from delivery_states import held_out, ranks_scores, set_delivery
+from schema_registry import StandInRegistry
 from streamtrain.delivery.artifact import ServableModel, export_snapshot
 from streamtrain.delivery.deltas import HEADER_ALLOWANCE, MAGIC, Delta, DeltaId, DensePiece, RowPiece, encode
 from streamtrain.delivery.serve import KafkaDeltas, ScoringServer, ServeLimits
@@ -49,7 +50,6 @@ from test_delivery_serve import (
     wait_for,
 )
 from test_delivery_spec import read_chunk, row_of
-from schema_registry import StandInRegistry
 from test_wire_format import http_registry  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.integration
