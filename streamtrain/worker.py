@@ -205,13 +205,14 @@ def run_worker(
         config.checkpoint_path_for_delivery()  # refused before anything starts
     config.check_clients()  # so are client properties librdkafka or the registry client refuse
     shutdown = _Shutdown(config.distributed.shutdown_grace_seconds)
+    signals = _Signals(shutdown)
     outcome = _Outcome()
     with contextlib.ExitStack() as resources:
         resources.callback(shutdown.end)  # last: the watchdog bounds every close before it
         try:
             outcome.exit_code = _run(
-                config, resources, shutdown, outcome, until_end, max_events, allow_partial_restore, fresh_start,
-                observers,
+                config, resources, shutdown, signals, outcome, until_end, max_events, allow_partial_restore,
+                fresh_start, observers,
             )  # fmt: skip
         except RestoreRefused as error:  # raised on every rank
             log.error("%s", error)
@@ -237,6 +238,7 @@ def _run(
     config: WorkerConfig,
     resources: contextlib.ExitStack,
     shutdown: _Shutdown,
+    signals: _Signals,
     outcome: _Outcome,
     until_end: bool,
     max_events: int | None,
@@ -359,7 +361,7 @@ def _run(
         heartbeat=health.beat,
         max_events=max_events,
     )
-    _stop_on_signals(prefetcher, snapshots.request, shutdown)
+    signals.started(prefetcher, snapshots.request)
     progress = _Progress(
         metrics,
         env.rank,
@@ -471,20 +473,50 @@ class _Shutdown:
                 return
 
 
-def _stop_on_signals(prefetcher: Prefetcher, request_snapshot: Callable[[], None], shutdown: _Shutdown) -> None:
+class _Signals:
     """SIGTERM/SIGINT: stop consuming, finish the batches in flight, exit, within the shutdown's
-    grace. SIGUSR1: take a snapshot now."""
-    signal.signal(signal.SIGUSR1, lambda *_: request_snapshot())
+    grace. SIGUSR1: take a snapshot now.
 
-    def handle(signum: int, _frame: object) -> None:
-        if prefetcher.stopping.is_set():
+    Installed before anything starts, so a signal that comes while the worker starts (the health
+    probe may already say ready while the first base is exported) is remembered and carried out
+    once it trains, instead of killing the process with the signal's default action."""
+
+    def __init__(self, shutdown: _Shutdown):
+        self.shutdown = shutdown
+        self.prefetcher: Prefetcher | None = None
+        self.request_snapshot: Callable[[], None] | None = None
+        self.stop_requested = False
+        self.snapshot_requested = False
+        signal.signal(signal.SIGUSR1, self._snapshot)
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+
+    def started(self, prefetcher: Prefetcher, request_snapshot: Callable[[], None]) -> None:
+        """The worker is about to train: what was asked for meanwhile happens now."""
+        self.prefetcher, self.request_snapshot = prefetcher, request_snapshot
+        if self.snapshot_requested:
+            request_snapshot()
+        if self.stop_requested:
+            prefetcher.stop()
+
+    def _stop(self, signum: int, _frame: object) -> None:
+        if self.stop_requested or (self.prefetcher is not None and self.prefetcher.stopping.is_set()):
             return
-        log.info("%s received: finishing the batches in flight", signal.Signals(signum).name)
-        shutdown.begin()
-        prefetcher.stop()
+        self.stop_requested = True
+        log.info(
+            "%s received: %s",
+            signal.Signals(signum).name,
+            "finishing the batches in flight" if self.prefetcher else "stopping as soon as the worker has started",
+        )
+        self.shutdown.begin()
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
 
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
+    def _snapshot(self, _signum: int, _frame: object) -> None:
+        if self.request_snapshot is not None:
+            self.request_snapshot()
+        else:
+            self.snapshot_requested = True
 
 
 def _give_up(grace: float) -> None:
