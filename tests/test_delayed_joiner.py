@@ -20,7 +20,7 @@ import pytest
 import yaml
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer, TopicPartition
 
-from streamtrain.dev.kafka import KafkaBroker, _die_with_parent
+from streamtrain.dev.kafka import KafkaBroker, die_with_parent
 from streamtrain.dev.produce import AvroEncoder, ClickStream
 from streamtrain.schema import without_logical_types
 
@@ -49,7 +49,7 @@ class JoinerProcess:
                 ["java", "-Xmx256m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-cp", f"{JOINER_LIBS}/*",
                  "dev.streamtrain.joiner.Joiner", str(properties)],
                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent, start_new_session=True,
+                preexec_fn=die_with_parent, start_new_session=True,
             )  # fmt: skip
 
     def output(self) -> str:

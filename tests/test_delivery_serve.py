@@ -37,6 +37,7 @@ from streamtrain.delivery.safeload import UnsafeBase
 from streamtrain.delivery.serve import DirectoryDeltas, KafkaDeltas, ScoringServer
 from streamtrain.delivery.spec import FormatError
 from streamtrain.dev.kafka import free_port
+from streamtrain.topics import OutputTopic
 from test_delivery_publisher import delta_messages
 from test_delivery_spec import code_in_an_expression
 
@@ -344,7 +345,10 @@ def test_a_delta_send_that_failed_partway_and_was_retried_is_applied(kafka, topi
     out = base_of(states, tmp_path)
     create_delta_topic(kafka, topic_name)
     target = TopicTarget(
-        KafkaConfig(bootstrap_servers=kafka.bootstrap_servers, topic="clicks"), topic_name, "clicks", 10, 3600
+        KafkaConfig(bootstrap_servers=kafka.bootstrap_servers, topic="clicks"),
+        OutputTopic(topic_name, "delta", "delivery.topic"),
+        "clicks",
+        10,
     )
     delta = cut(flat, 0, 1, 0)  # stamped at the cut, as the publisher stamps it
     try:

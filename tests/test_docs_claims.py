@@ -463,7 +463,7 @@ def worker_metrics() -> dict[str, Metric]:
 
 @functools.cache
 def serve_metrics() -> dict[str, Metric]:
-    from streamtrain.delivery.serve import ServeMetrics
+    from streamtrain.delivery.serve.metrics import ServeMetrics
 
     return metrics_of(ServeMetrics().registry)
 
