@@ -43,17 +43,20 @@ from numba import njit
 REASONS = (
     "empty_payload", "truncated", "trailing_bytes", "bad_varint", "bad_length", "bad_union_index",
     "bad_enum_index", "bad_magic_byte", "unknown_schema_id", "missing_label", "non_finite_dense",
-    "undecodable", "bad_label", "bad_writer_schema",
+    "undecodable", "bad_label", "bad_writer_schema", "unknown_sample_kind", "missing_impression",
+    "label_without_positive",
 )
 OK = 0
 (EMPTY_PAYLOAD, TRUNCATED, TRAILING_BYTES, BAD_VARINT, BAD_LENGTH, BAD_UNION_INDEX, BAD_ENUM_INDEX,
  BAD_MAGIC_BYTE, UNKNOWN_SCHEMA_ID, MISSING_LABEL, NON_FINITE_DENSE, UNDECODABLE,
- BAD_LABEL, BAD_WRITER_SCHEMA) = range(1, len(REASONS) + 1)
+ BAD_LABEL, BAD_WRITER_SCHEMA, UNKNOWN_SAMPLE_KIND, MISSING_IMPRESSION,
+ LABEL_WITHOUT_POSITIVE) = range(1, len(REASONS) + 1)
 # Not a reason: an event the interpreter must leave alone (its schema is decoded by fastavro).
 NOT_MINE = 127
 
 # Opcodes, with their operands in the order they follow the opcode.
-END = 0            # payload must be consumed; then required labels set, labels in [0, 1], dense values finite
+END = 0            # payload consumed; then a known sample kind, required labels set, labels in [0, 1], a sample's
+                   # impression read, a late label's positive, dense values finite
 BOOL = 1           # -> int register
 LONG = 2           # zigzag varint (int or long) -> int register
 FLOAT = 3          # 4 bytes -> float register
@@ -75,13 +78,21 @@ DENSE = 18         # column, transform (0 none, 1 log1p)
 LABEL = 19         # column: the task whose label this is
 TIME = 20          # divisor (1 for milliseconds, 1000 for microseconds)
 LONG_ID = 21       # table, num_embeddings, mode: LONG then ID, the commonest pair, in one dispatch
+SAMPLE = 22        # slot, a, b: a late-label sample's field (SAMPLE_* below)
 
 _OPERANDS = {END: 0, BOOL: 0, LONG: 0, FLOAT: 0, DOUBLE: 0, STRING: 0, SKIP_BYTES: 0, SKIP_FIXED: 1,
              SKIP_VARINT: 0, JUMP: 1, BLOCKS: 2, NEXT_ITEM: 1, CONST_INT: 1, CONST_FLOAT: 1, CONST_HASH: 1,
-             ID: 3, DENSE: 2, LABEL: 1, TIME: 1, LONG_ID: 3}
+             ID: 3, DENSE: 2, LABEL: 1, TIME: 1, LONG_ID: 3, SAMPLE: 3}
 _NAMES = ("END", "BOOL", "LONG", "FLOAT", "DOUBLE", "STRING", "SKIP_BYTES", "SKIP_FIXED", "SKIP_VARINT", "ENUM",
           "UNION", "JUMP", "BLOCKS", "NEXT_ITEM", "CONST_INT", "CONST_FLOAT", "CONST_HASH", "ID", "DENSE", "LABEL",
-          "TIME", "LONG_ID")
+          "TIME", "LONG_ID", "SAMPLE")
+# SAMPLE's slots, and the columns of the samples array: a sample's kind (a: the register's value for
+# "impression", b: for "label", each a symbol index or a string's fnv1a64), its impression's id, its
+# impression's time (a: the divisor to milliseconds). The last column's bits say which of the two
+# were read: bit 1 the id, bit 2 the time (their slots' numbers).
+SAMPLE_KIND, SAMPLE_IMPRESSION_ID, SAMPLE_IMPRESSION_TIME, SAMPLE_READ = 0, 1, 2, 3
+# A sample's kind: no kind (a plain event, trained as without late labels), an impression, a late label.
+PLAIN, IMPRESSION, LATE_LABEL = 0, 1, 2
 # fmt: on
 
 # Register kinds: what the last read left for the sinks.
@@ -233,6 +244,8 @@ class _Compiler:
                 raise Unsupported(f"{'.'.join(path)}: a float cannot be an id")
             if sink.op in (DENSE, LABEL, TIME) and reader_type in ("string", "bytes"):
                 raise Unsupported(f"{'.'.join(path)}: a string cannot be a number")
+            if sink.op == SAMPLE and (sink.operands[0] == SAMPLE_KIND) != (reader_type in ("string", "bytes", "enum")):
+                raise Unsupported(f"{'.'.join(path)}: a {reader_type} cannot be this sample field")
             self.emit(sink.op, *sink.operands, note=sink.note)
 
     def resolve(self, w: Any, r: Any, path: tuple[str, ...]) -> None:
@@ -518,6 +531,7 @@ def run_batch(
     labels: F32,
     required: npt.NDArray[np.bool_],
     times: I64,
+    samples: I64,
 ) -> tuple[I64, I32, I64, I64]:
     """``run_programs`` over a whole batch, growing the row arrays as it needs: (rows, table of each
     row, first row of each event, end of each event's rows)."""
@@ -540,6 +554,7 @@ def run_batch(
             labels,
             required,
             times,
+            samples,
             rows,
             row_table,
             first,
@@ -567,6 +582,7 @@ def run_programs(
     labels: F32,
     required: npt.NDArray[np.bool_],
     times: I64,
+    samples: I64,
     rows: I64,
     row_table: I32,
     first: I64,
@@ -577,6 +593,9 @@ def run_programs(
     """Decodes events ``event``.. of the batch, event e with the program at code[entry[e]:] (events
     with entry -1 are left alone), filling the per-event outputs and appending table rows event by
     event to ``rows``/``row_table`` from ``count`` on; event e's are rows[first[e]:stop[e]].
+
+    ``samples`` [n, 4] gets each event's late-label fields (``SAMPLE_*`` columns): a null kind is a
+    plain event. A late label's null labels are masked whether their tasks are required or not.
 
     Returns (the next event to decode, rows used): an event that would overrun ``rows`` is undone
     and returned, for the caller to grow the arrays and call again from it. The arrays are never
@@ -602,12 +621,15 @@ def run_programs(
         err = OK
         labels_set = np.int64(0)  # bit t: task t's label was read
         non_finite = False
+        unknown_kind = False
         ival = np.int64(0)
         fval = 0.0
         kind = KIND_INT
         for t in range(labels.shape[1]):
             labels[e, t] = 0.0
         times[e] = 0
+        for c in range(4):
+            samples[e, c] = 0
         for d in range(dense.shape[1]):
             dense[e, d] = 0.0
         while err == OK:
@@ -615,9 +637,11 @@ def run_programs(
             if op == END:
                 if pos != end:
                     err = TRAILING_BYTES
+                if err == OK and unknown_kind:
+                    err = UNKNOWN_SAMPLE_KIND
                 for t in range(labels.shape[1]):
                     if err == OK and not (labels_set >> t) & 1:
-                        if required[t]:
+                        if required[t] and samples[e, SAMPLE_KIND] != LATE_LABEL:
                             err = MISSING_LABEL
                         else:
                             labels[e, t] = np.nan  # masked: this event trains the other tasks only
@@ -625,6 +649,14 @@ def run_programs(
                     # a NaN read from the payload fails this too; a masked label is not checked
                     if err == OK and (labels_set >> t) & 1 and not (0.0 <= labels[e, t] <= 1.0):
                         err = BAD_LABEL
+                sample_kind = samples[e, SAMPLE_KIND]
+                if err == OK and sample_kind != PLAIN and samples[e, SAMPLE_READ] != 3:
+                    err = MISSING_IMPRESSION
+                if err == OK and sample_kind == LATE_LABEL:
+                    err = LABEL_WITHOUT_POSITIVE
+                    for t in range(labels.shape[1]):
+                        if (labels_set >> t) & 1 and labels[e, t] == 1.0:
+                            err = OK
                 if err == OK and non_finite:
                     err = NON_FINITE_DENSE
                 break
@@ -790,6 +822,19 @@ def run_programs(
             elif op == TIME:
                 times[e] = ival // code[pc + 1]
                 pc += 2
+            elif op == SAMPLE:
+                slot = code[pc + 1]
+                if slot == SAMPLE_KIND:
+                    if ival == code[pc + 2]:
+                        samples[e, slot] = IMPRESSION
+                    elif ival == code[pc + 3]:
+                        samples[e, slot] = LATE_LABEL
+                    else:
+                        unknown_kind = True  # told at the end, after the wire format's faults, as fastavro's path does
+                else:
+                    samples[e, slot] = ival if slot == SAMPLE_IMPRESSION_ID else ival // code[pc + 2]
+                    samples[e, SAMPLE_READ] |= slot
+                pc += 4
             else:
                 err = UNDECODABLE  # a corrupt program; cannot happen with compile_program's output
         if err != OK:

@@ -88,14 +88,17 @@ class DeliveryPosition:
 @dataclass
 class StreamState:
     """Where the stream stood at a snapshot: the next offset and the trained-event count of every
-    partition (all ranks' partitions, gathered), the step, the newest event time trained, and,
-    with delivery on, the delta chain's position (the same on every rank)."""
+    partition (all ranks' partitions, gathered), the step, the newest event time trained, with
+    delivery on the delta chain's position (the same on every rank), and with delayed_labels each
+    partition's positives counted for the late share (``delayed.LateShare``: known at emission per
+    task, then late per task)."""
 
     step: int = 0
     next_offsets: dict[int, int] = field(default_factory=dict)
     trained: dict[int, int] = field(default_factory=dict)
     event_time_high_water_ms: int = 0
     delivery: DeliveryPosition | None = None
+    positives: dict[int, list[int]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -110,11 +113,18 @@ class StreamState:
             trained={int(p): n for p, n in raw["trained"].items()},
             event_time_high_water_ms=raw["event_time_high_water_ms"],
             delivery=DeliveryPosition(int(delivery["chain"]), int(delivery["next_sequence"])) if delivery else None,
+            # absent in snapshots from before delayed labels, or without them
+            positives={int(p): [int(n) for n in counts] for p, counts in raw.get("positives", {}).items()},
         )
 
     def copy(self) -> StreamState:
         return StreamState(
-            self.step, dict(self.next_offsets), dict(self.trained), self.event_time_high_water_ms, self.delivery
+            self.step,
+            dict(self.next_offsets),
+            dict(self.trained),
+            self.event_time_high_water_ms,
+            self.delivery,
+            {p: list(counts) for p, counts in self.positives.items()},
         )
 
     def merged(self, other: StreamState) -> StreamState:
@@ -124,6 +134,7 @@ class StreamState:
             {**self.trained, **other.trained},
             max(self.event_time_high_water_ms, other.event_time_high_water_ms),
             self.delivery or other.delivery,
+            {**self.positives, **other.positives},
         )
 
 

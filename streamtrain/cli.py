@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from streamtrain.delivery.serve import DeltaSource
 
 DEFAULT_SCHEMA = PACKAGE_DIR / "schemas" / "click_event.avsc"
+SAMPLE_SCHEMA = PACKAGE_DIR / "schemas" / "click_sample.avsc"
 
 # The docs page that explains each command (docs/ in the source tree; `make docs` builds the site).
 DOCS_PAGES = {
@@ -168,6 +169,7 @@ def _count(text: str) -> int:
 
 
 def _produce(args: argparse.Namespace) -> int:
+    from streamtrain.dev.delays import Delays
     from streamtrain.dev.drift import Drift
     from streamtrain.dev.produce import produce
 
@@ -177,8 +179,15 @@ def _produce(args: argparse.Namespace) -> int:
         flags = ", ".join(f"--drift-{name.replace('_', '-')}" for name in given)
         print(f"streamtrain produce: {flags}: only the drifting stream takes these; add --drift", file=sys.stderr)
         return ExitCode.CONFIG
+    delay_knobs = {name: getattr(args, name) for name in _DELAY_OPTIONS}
+    delays_given = {name: value for name, value in delay_knobs.items() if value is not None}
+    if delays_given and not args.delays:
+        flags = ", ".join(_DELAY_OPTIONS[name] for name in delays_given)
+        print(f"streamtrain produce: {flags}: only the delayed stream takes these; add --delays", file=sys.stderr)
+        return ExitCode.CONFIG
     try:
         drift = Drift(**given) if args.drift else None
+        delays = Delays(**delays_given) if args.delays else None
     except ValueError as error:
         print(f"streamtrain produce: {error}", file=sys.stderr)
         return ExitCode.CONFIG
@@ -193,13 +202,26 @@ def _produce(args: argparse.Namespace) -> int:
         partition=args.partition,
         seed=args.seed,
         rate=args.rate,
-        schema_path=args.schema,
+        schema_path=args.schema or (SAMPLE_SCHEMA if delays else DEFAULT_SCHEMA),
         start_time_ms=args.start_time_ms,
         progress=lambda line: print(line, file=sys.stderr, flush=True),
         should_stop=stop.is_set,
         drift=drift,
+        delays=delays,
     )
     return 0
+
+
+# Delays' fields and the options that set them (streamtrain/dev/delays.py).
+_DELAY_OPTIONS = {
+    "click_mean": "--delay-click-mean",
+    "buy_median": "--delay-buy-median",
+    "buy_sigma": "--delay-buy-sigma",
+    "click_window": "--window-click",
+    "buy_window": "--window-buy",
+    "stream_rate": "--stream-rate",
+    "wait": "--delay-wait",
+}
 
 
 def _dev_kafka(args: argparse.Namespace) -> int:
@@ -511,7 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     produce.add_argument("--seed", type=int, default=0, help="the same seed writes the same events")
     produce.add_argument("--start-time-ms", type=int, default=None, help="event time of the first event (default: now)")
-    produce.add_argument("--schema", type=Path, default=DEFAULT_SCHEMA)
+    produce.add_argument(
+        "--schema", type=Path, default=None, help="default schemas/click_event.avsc; with --delays click_sample.avsc"
+    )
     drift = produce.add_argument_group(
         "drift",
         "--drift writes an open-ended id space instead: users and ads are born and retire at steady rates, "
@@ -535,6 +559,64 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SHARE",
         help="the share of events whose user, and independently whose ad, is seen in that event alone: the "
         "one-off tail of a real click log (default 0; real logs have about a third)",
+    )
+    delays = produce.add_argument_group(
+        "delays",
+        "--delays writes the stream as a joiner would (docs/delayed-labels.md): every impression at once, its "
+        "labels not yet known, and each click and purchase later as a label sample, keyed by impression id. "
+        "Delays and windows count events; event times advance at --stream-rate events a second, so a window of "
+        "W events is W / rate seconds (the worker's attribution_window_seconds)",
+    )
+    delays.add_argument("--delays", action="store_true", help="write the delayed stream (with --drift too)")
+    delays.add_argument(
+        "--delay-click-mean",
+        dest="click_mean",
+        type=float,
+        metavar="EVENTS",
+        help="a click's exponential delay's mean (default 20,000)",
+    )
+    delays.add_argument(
+        "--delay-buy-median",
+        dest="buy_median",
+        type=float,
+        metavar="EVENTS",
+        help="a purchase's log-normal delay after its click, its median (default 60,000)",
+    )
+    delays.add_argument(
+        "--delay-buy-sigma",
+        dest="buy_sigma",
+        type=float,
+        metavar="SIGMA",
+        help="that delay's log-scale spread: its tail (default 1.0)",
+    )
+    delays.add_argument(
+        "--window-click",
+        dest="click_window",
+        type=float,
+        metavar="EVENTS",
+        help="clicks later than this are none (default 100,000)",
+    )
+    delays.add_argument(
+        "--window-buy",
+        dest="buy_window",
+        type=float,
+        metavar="EVENTS",
+        help="purchases later than this are none (default 400,000)",
+    )
+    delays.add_argument(
+        "--delay-wait",
+        dest="wait",
+        type=float,
+        metavar="EVENTS",
+        help="how long the joiner holds each impression before it emits it with the labels known by then "
+        "(default 0: at once)",
+    )
+    delays.add_argument(
+        "--stream-rate",
+        dest="stream_rate",
+        type=float,
+        metavar="EVENTS_PER_S",
+        help="events a second of stream time (default 100)",
     )
     produce.set_defaults(run=_produce)
 

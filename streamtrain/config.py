@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from streamtrain.schema import ID_KINDS, NUMBER_KINDS, field_kind, load_schema
+from streamtrain.schema import ID_KINDS, NUMBER_KINDS, field_kind, field_nullable, field_schema, load_schema
 
 ENV_PREFIX = "STREAMTRAIN_"
 # Holds schemas/, shipped as package data: configs name the bundled schemas as schemas/<name>.avsc.
@@ -672,6 +672,19 @@ class TaskConfig(_Strict):
         description="With model.multitask dbmtl: a task listed before this one, whose tower's last hidden layer "
         "this task's tower also reads (buy depends_on clk: a purchase follows a click).",
     )
+    attribution_window_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="With delayed_labels: how long after its impression a positive still counts. A label sample "
+        "arriving later is not a positive (ignored and counted); the task's matured metrics wait this long.",
+    )
+    correction: Literal["none", "fnw", "fnc", "es_dfm"] = Field(
+        default="none",
+        description="With delayed_labels: how training corrects for positives that arrive after their impression "
+        "was trained as a negative (docs/delayed-labels.md). none: as they come (fake negatives bias the model "
+        "down); fnw: fake negative weighting; fnc: fake negative calibration (served as b / (1 - b)); es_dfm: "
+        "importance weights with the share of positives that arrive late, estimated online.",
+    )
 
 
 def default_tasks(features: FeaturesConfig) -> list[TaskConfig]:
@@ -1078,6 +1091,45 @@ class DeadLetterConfig(_Strict):
         return self.topic or f"{source_topic}.dlq"
 
 
+class DelayedLabelsConfig(_Strict):
+    """Labels that arrive after their impression (docs/delayed-labels.md): the three fields a joiner adds
+    to each sample, read from the schema. An event whose kind is null trains as any event does."""
+
+    kind_field: str = Field(
+        default="sample_kind",
+        min_length=1,
+        description="The sample's kind: a string, or an enum with the symbols impression and label. impression: "
+        "an impression with its labels as known at once; label: a positive that arrived later (its task's label "
+        "1, the others null). Null: a plain event, trained as without this section.",
+    )
+    impression_id_field: str = Field(
+        default="impression_id",
+        min_length=1,
+        description="A long naming the impression a sample is about; its Kafka key too, so that an impression "
+        "and its late labels share a partition.",
+    )
+    impression_time_field: str = Field(
+        default="impression_time",
+        min_length=1,
+        description="A long (timestamp-millis or -micros): when the impression was shown. A label sample's "
+        "delay is its event time less this.",
+    )
+    matured_max_pending: int = Field(
+        default=500_000,
+        gt=0,
+        description="Impressions (and as many late positives) each rank holds per task until their window "
+        "closes, for the matured metrics; the oldest are dropped past it (streamtrain_matured_dropped_total).",
+    )
+
+    def fields(self) -> dict[str, str]:
+        """The config's name of each sample field -> the schema field it names."""
+        return {
+            "kind_field": self.kind_field,
+            "impression_id_field": self.impression_id_field,
+            "impression_time_field": self.impression_time_field,
+        }
+
+
 class DeliveryConfig(_Strict):
     """Model delivery (docs/model-delivery.md): servable bases exported from the snapshots, and deltas of
     the rows touched since the last one, cut between steps like a snapshot."""
@@ -1165,6 +1217,11 @@ class WorkerConfig(_Strict):
     checkpoint: CheckpointConfig = Field(default=CheckpointConfig(), description="Snapshots and warm starts.")
     dead_letter: DeadLetterConfig = Field(default=DeadLetterConfig(), description="Undecodable events.")
     delivery: DeliveryConfig = Field(default=DeliveryConfig(), description="Bases and deltas for serving.")
+    delayed_labels: DelayedLabelsConfig | None = Field(
+        default=None,
+        description="Samples of a joiner whose labels arrive late (docs/delayed-labels.md). Unset: every event's "
+        "labels are final. Needs model.tasks, each with attribution_window_seconds.",
+    )
 
     @model_validator(mode="after")
     def _deltas_elsewhere(self) -> WorkerConfig:
@@ -1193,6 +1250,34 @@ class WorkerConfig(_Strict):
             raise ValueError(
                 "features.label is the single-task form: with model.tasks, each task names its label; remove one"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _late_labels_have_windows(self) -> WorkerConfig:
+        tasks = self.model.tasks
+        if self.delayed_labels is None:
+            for i, task in enumerate(tasks or ()):
+                for name in ("correction", "attribution_window_seconds"):
+                    if name in task.model_fields_set and getattr(task, name) not in (None, "none"):
+                        raise ValueError(
+                            f"model.tasks.{i}.{name}: only read with the delayed_labels section, which names the "
+                            f"sample fields; add delayed_labels: {{}} (its defaults: sample_kind, impression_id, "
+                            f"impression_time) or remove it"
+                        )
+            return self
+        if tasks is None:
+            raise ValueError(
+                f"delayed_labels: needs model.tasks, each with its attribution_window_seconds; move "
+                f"features.label into them, e.g. model.tasks: [{{name: {self.features.label}, label: "
+                f"{self.features.label}, attribution_window_seconds: 3600}}]"
+            )
+        for i, task in enumerate(tasks):
+            if task.attribution_window_seconds is None:
+                raise ValueError(
+                    f"model.tasks.{i}.attribution_window_seconds: required with delayed_labels (task "
+                    f"{task.name!r}): a positive arriving later than it is not one, and the matured metrics wait "
+                    f"for it; e.g. attribution_window_seconds: 3600"
+                )
         return self
 
     @model_validator(mode="after")
@@ -1415,7 +1500,7 @@ def parse_config(raw: dict[str, Any], environ: Mapping[str, str] | None = None) 
         config = WorkerConfig.model_validate(merged)
     except ValidationError as error:
         raise ConfigError(_format_errors(error)) from None
-    _check_against_schema(config.features, config.model.tasks)
+    _check_against_schema(config.features, config.model.tasks, config.delayed_labels)
     return config
 
 
@@ -1446,7 +1531,9 @@ def load_config(path: str | Path, environ: Mapping[str, str] | None = None) -> W
     return parse_config(raw, environ)
 
 
-def _check_against_schema(features: FeaturesConfig, tasks: list[TaskConfig] | None = None) -> None:
+def _check_against_schema(
+    features: FeaturesConfig, tasks: list[TaskConfig] | None = None, delayed: DelayedLabelsConfig | None = None
+) -> None:
     """Every configured field must exist in the Avro schema with a type its role can use."""
 
     path = features.resolved_schema_path()
@@ -1473,5 +1560,47 @@ def _check_against_schema(features: FeaturesConfig, tasks: list[TaskConfig] | No
     for i, task in enumerate(tasks or ()):
         check(f"model.tasks.{i}.label", task.label, NUMBER_KINDS)
     check("features.event_time", features.event_time, {"integer"})
+    if delayed is not None:
+        problems += _sample_fields_problems(schema, delayed, tasks or [])
     if problems:
         raise ConfigError("invalid worker configuration:\n" + "\n".join(problems))
+
+
+# The symbols of a sample's kind (docs/delayed-labels.md): the contract between a joiner and the worker.
+SAMPLE_KINDS = ("impression", "label")
+
+
+def _sample_fields_problems(schema: dict[str, Any], delayed: DelayedLabelsConfig, tasks: list[TaskConfig]) -> list[str]:
+    """What keeps ``schema`` from carrying the late-label sample contract, one line per problem."""
+    problems = []
+    kinds = {"kind_field": {"string", "enum"}, "impression_id_field": {"integer"}, "impression_time_field": {"integer"}}
+    named = delayed.fields()
+    for name, field in named.items():
+        where = f"delayed_labels.{name}"
+        kind = field_kind(schema, field)
+        if kind is None:
+            known = ", ".join(f["name"] for f in schema["fields"])
+            problems.append(
+                f"  {where}: {field!r} is not a field of {schema['name']}; add it to the schema (the joiner writes "
+                f"it) or name the field that holds it; fields are: {known}"
+            )
+        elif kind not in kinds[name]:
+            problems.append(f"  {where}: field {field!r} is {kind}, expected one of {sorted(kinds[name])}")
+        elif kind == "enum":
+            symbols = field_schema(schema, field)["symbols"]
+            missing = [s for s in SAMPLE_KINDS if s not in symbols]
+            if missing:
+                problems.append(
+                    f"  {where}: the enum of {field!r} lacks the symbols {missing}; it needs {list(SAMPLE_KINDS)}"
+                )
+    if len(set(named.values())) < len(named):
+        problems.append(f"  delayed_labels: the three fields must be distinct, got {named}")
+    if len(tasks) > 1:
+        # A label sample carries one task's positive; the others' labels are null.
+        for i, task in enumerate(tasks):
+            if field_kind(schema, task.label) is not None and not field_nullable(schema, task.label):
+                problems.append(
+                    f"  model.tasks.{i}.label: {task.label!r} must be nullable (a union with null) with "
+                    f"delayed_labels: a label sample leaves the other tasks' labels null"
+                )
+    return problems

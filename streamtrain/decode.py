@@ -41,8 +41,15 @@ time: timestamp-millis (or a plain long) as is, timestamp-micros floor-divided b
 A writer's null where the reader's type has none (e.g. a nullable label the reader declares an
 int) is such a null too.
 
-Every rejected payload gets one of ``REASONS``. Decode errors come first, then trailing bytes,
-then a missing label, a label outside [0, 1], then non-finite dense values. ``features.non_finite_dense: clip`` keeps
+With ``delayed_labels`` (docs/delayed-labels.md) each event's sample kind, impression id and
+impression time are read too (``SampleColumns``). A late label's null labels are masked whatever
+``required`` says, and so are its labels other than 1: it carries positives only. Its positive is
+masked too (and counted) when its delay, event time less impression time, is past its task's
+attribution window.
+
+Every rejected payload gets one of ``REASONS``. Decode errors come first, then trailing bytes, an
+unknown sample kind, then a missing label, a label outside [0, 1], a sample without its impression's
+id and time, a late label without a positive, then non-finite dense values. ``features.non_finite_dense: clip`` keeps
 such events instead: NaN becomes 0, +-inf (and finite values past float32's range) +-float32 max.
 Whole writer schemas fail too: an id the source does not know is ``unknown_schema_id``; a schema
 that is not valid Avro (not JSON, not a schema) is ``bad_writer_schema``; one Avro's rules cannot
@@ -69,7 +76,7 @@ from torchrec.streamable import Pipelineable
 
 from streamtrain import avro_program as ap
 from streamtrain.avro_program import REASONS, fnv1a64
-from streamtrain.config import FeaturesConfig, TableConfig, TaskConfig, default_tasks
+from streamtrain.config import SAMPLE_KINDS, DelayedLabelsConfig, FeaturesConfig, TableConfig, TaskConfig, default_tasks
 from streamtrain.registry import BadWriterSchema
 from streamtrain.schema import field_schema, load_schema, without_logical_types
 from streamtrain.source import EventBatch, RawEvent
@@ -109,6 +116,43 @@ class PartitionSpan:
 
 
 @dataclass(frozen=True)
+class SampleColumns:
+    """A batch's late-label columns (``delayed_labels``; docs/delayed-labels.md). What the loss reads
+    (``kind``, ``late_share``) goes to the trainer's device with the batch; the rest stays on the host,
+    for the metrics and the snapshot."""
+
+    kind: torch.Tensor  # [B] int8: ap.PLAIN, ap.IMPRESSION or ap.LATE_LABEL
+    delay_ms: torch.Tensor  # [B] int64: event time less impression time; 0 for a plain event
+    impression_id: torch.Tensor  # [B] int64; 0 for a plain event
+    # Per partition, [2, tasks]: positives known when their impression was emitted, and late labels'
+    # positives within the window: what the share of late positives is estimated from.
+    positives: dict[int, np.ndarray]
+    past_window: np.ndarray  # [tasks] int64: late labels past their task's window, masked
+    partition: np.ndarray  # [B] int64: each event's partition
+    # [tasks]: the share of positives that arrive late, as the trainer estimated it before this batch
+    late_share: torch.Tensor | None = None
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> SampleColumns:
+        return replace(
+            self,
+            kind=self.kind.to(device, non_blocking=non_blocking),
+            late_share=None if self.late_share is None else self.late_share.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> SampleColumns:
+        return replace(
+            self,
+            kind=self.kind.pin_memory(),
+            late_share=None if self.late_share is None else self.late_share.pin_memory(),
+        )
+
+    def record_stream(self, stream: torch.Stream) -> None:
+        for tensor in (self.kind, self.late_share):
+            if tensor is not None:
+                tensor.record_stream(stream)
+
+
+@dataclass(frozen=True)
 class ClickBatch(Pipelineable):
     """A decoded batch, complete when made: the decoder makes it as if trained alone, and the
     lockstep makes the one that trains (``in_global_step``)."""
@@ -124,6 +168,7 @@ class ClickBatch(Pipelineable):
     spans: dict[int, PartitionSpan] = field(default_factory=dict)
     # Events in this batch's step over all ranks.
     global_batch_size: int = 0
+    samples: SampleColumns | None = None  # with delayed_labels
 
     @property
     def size(self) -> int:
@@ -148,6 +193,7 @@ class ClickBatch(Pipelineable):
             labels=self.labels.to(device, non_blocking=non_blocking),
             event_time_ms=self.event_time_ms.to(device, non_blocking=non_blocking),
             loss_scale=self.loss_scale.to(device, non_blocking=non_blocking),
+            samples=None if self.samples is None else self.samples.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> ClickBatch:
@@ -160,12 +206,15 @@ class ClickBatch(Pipelineable):
             labels=self.labels.pin_memory(),
             event_time_ms=self.event_time_ms.pin_memory(),
             loss_scale=self.loss_scale.pin_memory(),
+            samples=None if self.samples is None else self.samples.pin_memory(),
         )
 
     def record_stream(self, stream: torch.Stream) -> None:
         for tensor in (self.dense_features, self.labels, self.event_time_ms, self.loss_scale):
             tensor.record_stream(stream)
         self.sparse_features.record_stream(stream)
+        if self.samples is not None:
+            self.samples.record_stream(stream)
 
 
 @dataclass
@@ -190,6 +239,7 @@ class AvroBatchDecoder:
         schema_source: Any = None,
         tasks: list[TaskConfig] | None = None,
         threads: int = 1,
+        delayed: DelayedLabelsConfig | None = None,
     ):
         self.features = features
         self.slices = Slices(threads, MIN_SLICE_EVENTS, DECODE)
@@ -198,8 +248,9 @@ class AvroBatchDecoder:
         self.confluent = features.wire_format == "confluent"
         self.clip = features.non_finite_dense == "clip"
         self.reader = load_schema(features.resolved_schema_path())
-        self.plan = feature_plan(features, self.reader, self.tasks)
-        self.fallback = FastavroDecoder(features, schema_source, tasks=self.tasks)
+        self.late = None if delayed is None else LateLabels(delayed, self.reader, self.tasks)
+        self.plan = feature_plan(features, self.reader, self.tasks, self.late)
+        self.fallback = FastavroDecoder(features, schema_source, tasks=self.tasks, late=self.late)
         self.keys = [t.name for t in features.tables]
         self.code = np.zeros(0, np.int64)  # every program built so far, one after another
         # schema id (None in raw mode) -> its program's start in self.code, or one of _STATUS
@@ -274,6 +325,7 @@ class AvroBatchDecoder:
         dense = np.empty((n, dense_count), dtype=np.float32)
         labels = np.empty((n, len(self.tasks)), dtype=np.float32)
         times = np.empty(n, dtype=np.int64)
+        samples = np.empty((n, 4), dtype=np.int64)
 
         def run(part: slice) -> _Rows:
             lengths[:, part] = 0
@@ -290,6 +342,7 @@ class AvroBatchDecoder:
                 labels[part],
                 self.required,
                 times[part],
+                samples[part],
             )
             return _Rows(part, *rows, ap.kept_rows(lengths[:, part], status[part]))
 
@@ -300,7 +353,7 @@ class AvroBatchDecoder:
                 slow,
                 events.payloads,
                 schema_ids,
-                (status, lengths, dense, labels, times),
+                (status, lengths, dense, labels, times, samples),
                 _Rows.joined(decoded),
                 details,
             )
@@ -316,7 +369,8 @@ class AvroBatchDecoder:
             ),
             [replace(part, cursor=cursor) for part, cursor in zip(decoded, cursors, strict=True)],
         )
-        return _result(events, self.keys, status, lengths, dense, labels, times, values, details, per_key.tolist())
+        columns = _Columns(status, lengths, dense, labels, times, [], details, samples)
+        return _result(events, self.keys, columns, values, per_key.tolist(), self.late)
 
     @staticmethod
     def _assign(program: int, events: np.ndarray, entry: np.ndarray, status: np.ndarray) -> None:
@@ -335,16 +389,17 @@ class AvroBatchDecoder:
         details: dict[int, str],
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """fastavro for the events whose schema has no program; their rows join the others'."""
-        status, lengths, dense, labels, times = columns
+        status, lengths, dense, labels, times, samples = columns
         bodies = [payloads[i][5:] if self.confluent else payloads[i] for i in slow.tolist()]
         writers = [int(schema_ids[i]) if self.confluent else None for i in slow.tolist()]
         part = self.fallback.columns(bodies, writers)
-        status[slow], lengths[:, slow], dense[slow], labels[slow], times[slow] = (
+        status[slow], lengths[:, slow], dense[slow], labels[slow], times[slow], samples[slow] = (
             part.status,
             part.lengths,
             part.dense,
             part.labels,
             part.times,
+            part.samples,
         )
         details.update({int(slow[i]): detail for i, detail in part.details.items()})
         # Back to event-major rows, the slow events' after the compiled ones.
@@ -411,8 +466,11 @@ _STATUS = {
 _ID_MODES = {"modulo": 0, "hash": 1, "managed": 2}
 
 
-def feature_plan(features: FeaturesConfig, reader: dict, tasks: list[TaskConfig] | None = None) -> ap.FeaturePlan:
-    """Which reader fields feed which table, dense column, task label and the event time."""
+def feature_plan(
+    features: FeaturesConfig, reader: dict, tasks: list[TaskConfig] | None = None, late: LateLabels | None = None
+) -> ap.FeaturePlan:
+    """Which reader fields feed which table, dense column, task label, the event time, and with
+    ``late`` the sample's kind and impression."""
     plan = ap.FeaturePlan()
     for t, table in enumerate(features.tables):
         plan.add(
@@ -434,7 +492,79 @@ def feature_plan(features: FeaturesConfig, reader: dict, tasks: list[TaskConfig]
     plan.add(
         features.event_time, ap.Sink(ap.TIME, (divisor,), "-> event time" + (" (us -> ms)" if divisor > 1 else ""))
     )
+    if late is not None:
+        late.add_sinks(plan)
     return plan
+
+
+def _signed(h: int) -> int:
+    """An unsigned 64-bit hash as the interpreter's int64 register holds it."""
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
+class LateLabels:
+    """How the decoders read ``delayed_labels``' fields, and what they make of them (the module
+    docstring says what)."""
+
+    def __init__(self, delayed: DelayedLabelsConfig, reader: dict, tasks: list[TaskConfig]):
+        self.paths = {
+            ap.SAMPLE_KIND: delayed.kind_field,
+            ap.SAMPLE_IMPRESSION_ID: delayed.impression_id_field,
+            ap.SAMPLE_IMPRESSION_TIME: delayed.impression_time_field,
+        }
+        kind = field_schema(reader, delayed.kind_field)
+        if isinstance(kind, dict) and kind.get("type") == "enum":
+            # the symbols' indexes, as the interpreter reads them and as fastavro names them
+            self.kind_codes = tuple(kind["symbols"].index(symbol) for symbol in SAMPLE_KINDS)
+        else:
+            self.kind_codes = tuple(_signed(fnv1a64(symbol)) for symbol in SAMPLE_KINDS)
+        self.divisor = _time_divisor(reader, delayed.impression_time_field)
+        # A window is at most some days: milliseconds in float64 are exact.
+        self.windows_ms = np.array([float(t.attribution_window_seconds or math.inf) * 1000 for t in tasks])
+
+    def add_sinks(self, plan: ap.FeaturePlan) -> None:
+        impression, label = self.kind_codes
+        plan.add(self.paths[ap.SAMPLE_KIND], ap.Sink(ap.SAMPLE, (ap.SAMPLE_KIND, impression, label), "-> sample kind"))
+        plan.add(
+            self.paths[ap.SAMPLE_IMPRESSION_ID], ap.Sink(ap.SAMPLE, (ap.SAMPLE_IMPRESSION_ID, 0, 0), "-> impression id")
+        )
+        plan.add(
+            self.paths[ap.SAMPLE_IMPRESSION_TIME],
+            ap.Sink(ap.SAMPLE, (ap.SAMPLE_IMPRESSION_TIME, self.divisor, 0), "-> impression time"),
+        )
+
+    def kind_of(self, value: Any) -> int | None:
+        """A kind as fastavro reads it (a symbol, or a string read as bytes) -> ap.IMPRESSION or
+        ap.LATE_LABEL; ap.PLAIN for null; None for another value."""
+        if value is None:
+            return ap.PLAIN
+        text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+        return {SAMPLE_KINDS[0]: ap.IMPRESSION, SAMPLE_KINDS[1]: ap.LATE_LABEL}.get(text)
+
+    def columns(
+        self, samples: np.ndarray, labels: np.ndarray, times: np.ndarray, partitions: np.ndarray
+    ) -> SampleColumns:
+        """The kept events' columns, their late labels' labels masked (in place) as the module
+        docstring says."""
+        kind = samples[:, ap.SAMPLE_KIND]
+        sample = kind != ap.PLAIN
+        delay = np.where(sample, times - samples[:, ap.SAMPLE_IMPRESSION_TIME], 0)
+        late = (kind == ap.LATE_LABEL)[:, None]
+        positive = labels == 1.0
+        past = late & positive & (delay[:, None] > self.windows_ms)
+        labels[late & ~(positive & ~past)] = np.nan  # a late label carries its positives only
+        counted = np.stack(((kind == ap.IMPRESSION)[:, None] & positive, late & positive & ~past))  # [2, n, tasks]
+        positives = {}
+        for p in np.unique(partitions).tolist():
+            positives[p] = counted[:, partitions == p].sum(axis=1)
+        return SampleColumns(
+            kind=torch.from_numpy(kind.astype(np.int8)),
+            delay_ms=torch.from_numpy(delay),
+            impression_id=torch.from_numpy(np.where(sample, samples[:, ap.SAMPLE_IMPRESSION_ID], 0)),
+            positives=positives,
+            past_window=past.sum(axis=0),
+            partition=partitions,
+        )
 
 
 def _time_divisor(reader: dict, path: str) -> int:
@@ -452,6 +582,7 @@ class _Columns:
     times: np.ndarray  # int64 [n]
     values: list[np.ndarray]  # per table, the rows of the decoded events in event order
     details: dict[int, str]  # event -> the detail of its reason, where there is one
+    samples: np.ndarray  # int64 [n, 4]: the late-label fields, ap.SAMPLE_* columns
 
 
 @dataclass(frozen=True)
@@ -462,6 +593,7 @@ class _FieldPaths:
     dense: list[tuple[str, ...]]
     labels: list[tuple[str, ...]]
     time: tuple[str, ...]
+    samples: dict[int, tuple[str, ...]]  # ap.SAMPLE_* slot -> path, with delayed_labels
 
 
 class FastavroDecoder:
@@ -483,9 +615,11 @@ class FastavroDecoder:
         *,
         wire_checks: bool = True,
         tasks: list[TaskConfig] | None = None,
+        late: LateLabels | None = None,
     ):
         self.features = features
         self.tasks = tasks or default_tasks(features)
+        self.late = late
         self.wire_checks = wire_checks
         self.schema_source = schema_source
         self.confluent = features.wire_format == "confluent"
@@ -497,6 +631,7 @@ class FastavroDecoder:
             dense=[tuple(d.field.split(".")) for d in features.dense],
             labels=[tuple(t.label.split(".")) for t in self.tasks],
             time=tuple(features.event_time.split(".")),
+            samples={} if late is None else {slot: tuple(path.split(".")) for slot, path in late.paths.items()},
         )
         sinks = {
             tuple(path.split("."))
@@ -505,6 +640,7 @@ class FastavroDecoder:
                 *(d.field for d in features.dense),
                 *(t.label for t in self.tasks),
                 features.event_time,
+                *([] if late is None else late.paths.values()),
             )
         }
         self.reader = fastavro.parse_schema(_strings_as_bytes(without_logical_types(_nullable_at(reader, sinks))))
@@ -570,19 +706,9 @@ class FastavroDecoder:
             bodies.append(payload)
             writers.append(schema_id)
         part = self.columns(bodies, writers, early)
+        part.details = {**details, **part.details}
         values = np.concatenate(part.values) if part.values else np.zeros(0, np.int64)
-        return _result(
-            events,
-            self.keys,
-            part.status,
-            part.lengths,
-            part.dense,
-            part.labels,
-            part.times,
-            values,
-            {**details, **part.details},
-            [len(v) for v in part.values],
-        )
+        return _result(events, self.keys, part, values, [len(v) for v in part.values], self.late)
 
     def columns(self, bodies: list[bytes], writers: list[int | None], early: np.ndarray | None = None) -> _Columns:
         """The columns of Avro ``bodies``, each written with the writer schema of its id (None:
@@ -596,6 +722,7 @@ class FastavroDecoder:
         dense = np.zeros((n, len(features.dense)), dtype=np.float32)
         labels = np.zeros((n, len(self.tasks)), dtype=np.float32)
         times = np.zeros(n, dtype=np.int64)
+        samples = np.zeros((n, 4), dtype=np.int64)
         # A number past float32's range becomes inf, as it does in the compiled path.
         with np.errstate(over="ignore"):
             for i, body in enumerate(bodies):
@@ -615,14 +742,33 @@ class FastavroDecoder:
                     status[i] = ap.UNDECODABLE
                     details[i] = f"{type(error).__name__}: {error}"
                     continue
+                kind = ap.PLAIN
+                if self.late is not None:
+                    found = self.late.kind_of(_get(record, paths.samples[ap.SAMPLE_KIND]))
+                    if found is None:
+                        status[i] = ap.UNKNOWN_SAMPLE_KIND
+                        continue
+                    kind = found
                 read = [_get(record, path) for path in paths.labels]
-                if any(label is None and task.required for label, task in zip(read, self.tasks, strict=True)):
+                if kind != ap.LATE_LABEL and any(
+                    label is None and task.required for label, task in zip(read, self.tasks, strict=True)
+                ):
                     status[i] = ap.MISSING_LABEL
                     continue
                 row_labels = [np.nan if label is None else np.float32(label) for label in read]
                 if not all(0.0 <= label <= 1.0 for label, raw in zip(row_labels, read, strict=True) if raw is not None):
                     status[i] = ap.BAD_LABEL
                     continue
+                if kind != ap.PLAIN:
+                    impression = [_get(record, paths.samples[slot]) for slot in (1, 2)]
+                    if None in impression:
+                        status[i] = ap.MISSING_IMPRESSION
+                        continue
+                    if kind == ap.LATE_LABEL and 1.0 not in row_labels:
+                        status[i] = ap.LABEL_WITHOUT_POSITIVE
+                        continue
+                    assert self.late is not None
+                    samples[i] = (kind, impression[0], int(impression[1]) // self.late.divisor, 3)
                 row = [
                     _transform(_get(record, path), d.transform)
                     for path, d in zip(paths.dense, features.dense, strict=True)
@@ -645,42 +791,51 @@ class FastavroDecoder:
             map_ids(_as_id_array(table_ids, symbols), table)
             for table_ids, table, symbols in zip(ids, features.tables, self.symbols, strict=True)
         ]
-        return _Columns(status, lengths, dense, labels, times, values, details)
+        return _Columns(status, lengths, dense, labels, times, values, details, samples)
 
 
 def _result(
     events: EventBatch,
     keys: list[str],
-    status: np.ndarray,
-    lengths: np.ndarray,
-    dense: np.ndarray,
-    labels: np.ndarray,
-    times: np.ndarray,
+    columns: _Columns,
     values: np.ndarray,
-    details: dict[int, str],
     length_per_key: list[int],
+    late: LateLabels | None,
 ) -> DecodeResult:
+    """The batch of ``columns``' kept events, whose ids are ``values`` (their KJT's)."""
+    status = columns.status
     kept = status == ap.OK
     count = int(kept.sum())
     everything = count == len(events)
-    # One task keeps the single-label batch's [B] labels, so a one-task model is DLRM exactly.
-    labels = labels[:, 0] if labels.shape[1] == 1 else labels
+
+    def kept_of(column: np.ndarray) -> np.ndarray:
+        return column if everything else column[kept]
+
+    labels, times = kept_of(columns.labels), kept_of(columns.times)
+    samples = None
+    if late is not None:
+        # masks late labels' labels in place: a copy of the decoder's, unless every event was kept
+        samples = late.columns(kept_of(columns.samples), labels, times, kept_of(events.partitions))
+    lengths = columns.lengths if everything else columns.lengths[:, kept]
     batch = ClickBatch(
-        dense_features=torch.from_numpy(dense if everything else dense[kept]),
+        dense_features=torch.from_numpy(kept_of(columns.dense)),
         sparse_features=KeyedJaggedTensor(
             keys=keys,
             values=torch.from_numpy(values),
-            lengths=torch.from_numpy(np.ascontiguousarray(lengths if everything else lengths[:, kept]).reshape(-1)),
+            lengths=torch.from_numpy(np.ascontiguousarray(lengths).reshape(-1)),
             # Given here, from the decoder's counts, rather than summed per step with a .tolist().
             length_per_key=length_per_key,
             offset_per_key=list(itertools.accumulate(length_per_key, initial=0)),
         ),
-        labels=torch.from_numpy(labels if everything else labels[kept]),
-        event_time_ms=torch.from_numpy(times if everything else times[kept]),
+        # One task keeps the single-label batch's [B] labels, so a one-task model is DLRM exactly.
+        labels=torch.from_numpy(labels[:, 0] if labels.shape[1] == 1 else labels),
+        event_time_ms=torch.from_numpy(times),
         loss_scale=torch.tensor(1.0 / max(count, 1)),
         spans=_spans(events, kept),
         global_batch_size=count,
+        samples=samples,
     )
+    details = columns.details
     rejected = [
         (events.event(i), REASONS[status[i] - 1] + (f": {details[i]}" if i in details else ""))
         for i in np.flatnonzero(~kept).tolist()

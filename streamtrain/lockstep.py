@@ -228,11 +228,13 @@ class SnapshotSchedule:
         base = restored or StreamState()
         self.base_step = base.step
         self.base_trained = base.trained
+        self.base_positives = base.positives  # a partition picked up later continues its counts
         self.state = StreamState(
             step=base.step,
             next_offsets=dict(start_offsets),
             trained={p: base.trained.get(p, 0) for p in start_offsets},
             event_time_high_water_ms=base.event_time_high_water_ms,
+            positives={p: list(base.positives[p]) for p in start_offsets if p in base.positives},
         )
         self.requested = threading.Event()  # set from a signal handler
         self.last_commit = clock()
@@ -268,6 +270,10 @@ class SnapshotSchedule:
         if batch.size:
             newest = min(int(batch.event_time_ms.max()), self.config.features.event_time_bound_ms())
             state.event_time_high_water_ms = max(state.event_time_high_water_ms, newest)
+        if batch.samples is not None:
+            for partition, counts in batch.samples.positives.items():
+                held = state.positives.get(partition, self.base_positives.get(partition))
+                state.positives[partition] = (counts.ravel() + (held or 0)).tolist()
 
     def act(self, agreed: dict[str, bool]) -> None:
         """After a step: commit a finished snapshot, or start one, as every rank agreed. Raises

@@ -165,32 +165,54 @@ class TaskQualities:
 
 class BulkHistogram:
     """A Prometheus histogram fed a whole array at a time with numpy: one observe() call per
-    event would cost more than the training step for large batches."""
+    event would cost more than the training step for large batches. With ``labelnames``, each
+    ``observe_many`` names its series' label values."""
 
-    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...], registry: CollectorRegistry):
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: tuple[float, ...],
+        registry: CollectorRegistry,
+        labelnames: Sequence[str] = (),
+    ):
         self.name, self.documentation = name, documentation
+        self.labelnames = list(labelnames)
         self.bounds = np.array(buckets, dtype=np.float64)
-        self.counts = np.zeros(len(buckets) + 1, dtype=np.int64)
-        self.sum = 0.0
+        # label values -> (bucket counts, sum); the unlabelled histogram has its one series from the start
+        self.series: dict[tuple[str, ...], tuple[np.ndarray, list[float]]] = {}
+        if not self.labelnames:
+            self._series(())
         self.lock = threading.Lock()
         registry.register(self)
 
-    def observe_many(self, values: np.ndarray) -> None:
+    @property
+    def sum(self) -> float:
+        """The unlabelled histogram's sum of observed values."""
+        return self.series[()][1][0]
+
+    def _series(self, labels: tuple[str, ...]) -> tuple[np.ndarray, list[float]]:
+        if labels not in self.series:
+            self.series[labels] = (np.zeros(len(self.bounds) + 1, dtype=np.int64), [0.0])
+        return self.series[labels]
+
+    def observe_many(self, values: np.ndarray, labels: tuple[str, ...] = ()) -> None:
         if values.size == 0:
             return
         index = np.searchsorted(self.bounds, values, side="left")
         with self.lock:
-            self.counts += np.bincount(index, minlength=self.counts.size)
-            self.sum += float(values.sum())
+            counts, total = self._series(labels)
+            counts += np.bincount(index, minlength=counts.size)
+            total[0] += float(values.sum())
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
         with self.lock:
-            cumulative = np.cumsum(self.counts)
-            total = self.sum
-        family = HistogramMetricFamily(self.name, self.documentation)
-        buckets = [(repr(float(b)), int(c)) for b, c in zip(self.bounds, cumulative[:-1], strict=True)]
-        buckets.append(("+Inf", int(cumulative[-1])))
-        family.add_metric([], buckets, total)
+            series = [(labels, np.cumsum(counts), total[0]) for labels, (counts, total) in self.series.items()]
+        for labels, cumulative, total in series:
+            buckets = [(repr(float(b)), int(c)) for b, c in zip(self.bounds, cumulative[:-1], strict=True)]
+            buckets.append(("+Inf", int(cumulative[-1])))
+            family.add_metric(list(labels), buckets, total)
         yield family
 
 
@@ -268,6 +290,46 @@ class IdSpaceMetrics:
         )
 
 
+class LateLabelMetrics:
+    """Late labels (streamtrain/delayed.py), labelled task=<name>, this rank's events'. The matured
+    quality itself is in the progressive gauges, as maturity="matured"."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.late_labels = Counter(
+            "streamtrain_late_labels",
+            "Late labels' positives trained (outcome trained), and those past the task's attribution window, "
+            "which are not positives (outcome past_window).",
+            ["task", "outcome"],
+            registry=registry,
+        )
+        self.delay_seconds = BulkHistogram(
+            "streamtrain_late_label_delay_seconds",
+            "From an impression to its late label's arrival (event times), for the late labels trained.",
+            (1, 5, 15, 60, 300, 900, 1800, 3600, 7200, 21600, 86400, 259200, 604800),
+            registry,
+            labelnames=["task"],
+        )
+        self.late_share = Gauge(
+            "streamtrain_late_positive_share",
+            "The share of positives whose label arrives after their impression was emitted, as training "
+            "estimates it (es_dfm's s; 1 with a joiner that emits every impression at once).",
+            ["task"],
+            registry=registry,
+        )
+        self.matured_waiting = Gauge(
+            "streamtrain_matured_waiting",
+            "Impressions held until their attribution window closes, for the matured quality.",
+            ["task"],
+            registry=registry,
+        )
+        self.matured_dropped = Counter(
+            "streamtrain_matured_dropped",
+            "Impressions and late positives dropped unmatured past delayed_labels.matured_max_pending.",
+            ["task"],
+            registry=registry,
+        )
+
+
 class WorkerMetrics:
     def __init__(self, auc_window: int = 100_000, tasks: Sequence[str] = ("clk",)):
         self.registry = registry = CollectorRegistry()
@@ -305,12 +367,15 @@ class WorkerMetrics:
         self.queue_capacity = Gauge(
             "streamtrain_prefetch_queue_capacity", "Capacity of the prefetch queue.", registry=registry
         )
-        quality_labels = ["task", "window"]
+        # maturity: provisional (the labels each event trained with), or matured (with delayed_labels: each
+        # impression's final label, once its attribution window closed)
+        quality_labels = ["task", "window", "maturity"]
         self.quality_gauges = {
             "auc": Gauge(
                 "streamtrain_progressive_auc",
                 "AUC of scores given before training on each event (test-then-train); window is "
-                "'window' (the last metrics.auc_window events) or 'lifetime'.",
+                "'window' (the last metrics.auc_window events) or 'lifetime'; maturity is 'provisional' "
+                "(the labels trained) or 'matured' (final labels, once each impression's window closed).",
                 quality_labels,
                 registry=registry,
             ),
@@ -502,6 +567,7 @@ class WorkerMetrics:
             registry=registry,
         )
         self.idspace = IdSpaceMetrics(registry)
+        self.late = LateLabelMetrics(registry)
         self._server: ThreadingHTTPServer | None = None
 
     @property

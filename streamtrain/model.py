@@ -1,6 +1,7 @@
 """What is trained: the configured architecture (streamtrain/models/: a built-in, or a user's
 factory) over the dense features, the target matches' counts (streamtrain/target_match.py) and the
-id features, with a loss per task."""
+id features, with a loss per task, corrected for late labels as each task's ``correction`` says
+(streamtrain/delayed.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torchrec import KeyedJaggedTensor
 
 from streamtrain.config import FeaturesConfig, ModelConfig, TaskConfig
 from streamtrain.decode import ClickBatch
+from streamtrain.delayed import Corrections
 from streamtrain.models import factory, net_name
 from streamtrain.models.base import ModelSpec, check_tables
 from streamtrain.target_match import match_counts
@@ -18,6 +20,21 @@ from streamtrain.target_match import match_counts
 # TrainPipelineSparseDist traces the model with torch.fx to find the sharded tables' inputs; the
 # counts branch on the batch's size, which a trace cannot follow, and feed no table: one node.
 torch.fx.wrap("match_counts")
+
+
+def task_losses(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Each event's binary cross-entropy per task (a NaN label as 0: the caller masks it). With
+    ``weights`` (positive, negative), the positive part y log(sigmoid(z)) and the negative part
+    (1 - y) log(1 - sigmoid(z)) are weighted apart, as importance-weighted corrections need."""
+    targets = labels.nan_to_num(0.0)
+    if weights is None:
+        return F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
+    positive, negative = weights
+    return positive * targets * F.softplus(-logits) + negative * (1 - targets) * F.softplus(logits)
 
 
 def net_logits(
@@ -36,8 +53,8 @@ class ClickModel(nn.Module):
 
     ``forward`` returns what TorchRec's train pipelines expect: (loss to backpropagate, output).
     The output holds the logits computed *before* this batch's update, which is what progressive
-    (test-then-train) evaluation needs; like the labels, they are [B] for one task and [B, tasks]
-    for several.
+    (test-then-train) evaluation needs, as they are served (fnc's tasks calibrated); like the labels,
+    they are [B] for one task and [B, tasks] for several.
     """
 
     def __init__(
@@ -60,6 +77,8 @@ class ClickModel(nn.Module):
         self.register_buffer(
             "loss_weights", torch.tensor([t.loss_weight for t in tasks], device=dense_device), persistent=False
         )
+        corrected = any(t.correction != "none" for t in tasks)
+        self.corrections = Corrections(tasks, dense_device) if corrected else None
 
     @property
     def net(self) -> nn.Module:
@@ -67,15 +86,19 @@ class ClickModel(nn.Module):
 
     def forward(self, batch: ClickBatch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         logits = net_logits(self.net, self.pairs, batch.dense_features, batch.sparse_features).squeeze(-1)
+        corrections, samples = self.corrections, batch.samples
+        weights = None
+        if corrections is not None and corrections.any_weighted and samples is not None:
+            weights = corrections.weights(logits, samples.kind, samples.late_share)
         # A NaN label (a null one of a task that is not required) adds nothing to its task's loss.
         known = ~batch.labels.isnan()
-        per_event = F.binary_cross_entropy_with_logits(logits, batch.labels.nan_to_num(0.0), reduction="none")
-        per_event = per_event * known * self.loss_weights
+        per_event = task_losses(logits, batch.labels, weights) * known * self.loss_weights
         # A sum, scaled by the batch stage, never a mean: a rank's empty batch must add 0, not NaN.
         # Masked events still count in the scale: each task's gradient is its summed loss over
         # the global batch, whatever share of it carries that task's label.
         loss = per_event.sum() * batch.loss_scale
-        return loss, (per_event.detach().sum(), logits.detach(), batch.labels)
+        served = logits if corrections is None else corrections.served(logits)
+        return loss, (per_event.detach().sum(), served.detach(), batch.labels)
 
 
 def _where(model: ModelConfig) -> str:

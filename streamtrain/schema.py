@@ -46,6 +46,27 @@ def field_schema(schema: dict[str, Any], path: str) -> Any:
     return _field(schema, path)[0]
 
 
+def field_nullable(schema: dict[str, Any], path: str) -> bool:
+    """Whether the field at a dotted path may hold null (a union with null), or any record on the way does."""
+    names: dict[str, Any] = {}
+    node: Any = fastavro.parse_schema(schema, named_schemas=names, _write_hint=False)
+    nullable = False
+    for name in path.split("."):
+        nullable = nullable or _takes_null(node)
+        node = _non_null(node, names)
+        if not isinstance(node, dict) or node.get("type") not in ("record", "error"):
+            return False
+        field = next((f for f in node["fields"] if f["name"] == name), None)
+        if field is None:
+            return False
+        node = field["type"]
+    return nullable or _takes_null(node)
+
+
+def _takes_null(avro_type: Any) -> bool:
+    return avro_type == "null" or (isinstance(avro_type, list) and "null" in avro_type)
+
+
 def _field(schema: dict[str, Any], path: str) -> tuple[Any, dict[str, Any]]:
     """(the field's type as ``field_schema`` gives it, the schema's named types by full name)."""
     names: dict[str, Any] = {}

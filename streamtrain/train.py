@@ -41,6 +41,7 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from streamtrain.config import ConfigError, WorkerConfig
 from streamtrain.decode import ClickBatch
+from streamtrain.delayed import LateShare
 from streamtrain.device import (
     GATHER_SUM_MAX_BYTES,
     DistEnv,
@@ -487,6 +488,8 @@ class Trainer:
             enqueue_batch_after_forward=True,
         )
         self.step = 0
+        # es_dfm's late share, attached to each batch as the pipeline takes it (restored by the worker)
+        self.late_share = LateShare(len(config.tasks())) if config.delayed_labels is not None else None
         # Managed tables get rows from the id space just before the pipeline takes each batch;
         # the rows a batch's step gave away start fresh just before that batch's forward pass.
         self.id_space: IdSpace | None = None
@@ -517,6 +520,8 @@ class Trainer:
                     return
                 if self.id_space is not None:
                     batch = self.id_space.translate(batch)
+                if self.late_share is not None:
+                    batch = self.late_share.attach(batch)
                 taken.append(batch)
                 yield batch
 

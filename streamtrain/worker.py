@@ -21,6 +21,7 @@ from streamtrain.checkpoint import Checkpointer, RestoreRefused, SnapshotsFailin
 from streamtrain.config import WorkerConfig
 from streamtrain.deadletter import Rejections, dead_letter_topic
 from streamtrain.decode import AvroBatchDecoder
+from streamtrain.delayed import LateLabelWatch
 from streamtrain.delivery.artifact import check_exportable
 from streamtrain.delivery.publisher import Publisher, delta_topic
 from streamtrain.device import decode_threads, gloo_group, init_distributed
@@ -63,9 +64,11 @@ class _Progress:
         observers: Sequence[StepObserver],
         lag: Callable[[], int | None] = lambda: None,
         event_time_bound: Callable[[float], float] = lambda _now: math.inf,
+        late: LateLabelWatch | None = None,
     ):
         """``event_time_bound``: the latest event time (ms) believed at a wall time (s); later ones
-        are clamped to it for freshness, and counted."""
+        are clamped to it for freshness, and counted. ``late``: with delayed_labels, what is
+        reported of them, the matured quality among it."""
         self.metrics = metrics
         self.rank = rank
         self.topic = topic
@@ -73,6 +76,7 @@ class _Progress:
         self.queue_depth = queue_depth
         self.lag = lag
         self.event_time_bound = event_time_bound
+        self.late = late
         self.step = 0
         self.trained = 0
         self.loss_sum = 0.0
@@ -111,6 +115,8 @@ class _Progress:
             if span.events:
                 metrics.events_trained.labels(self.topic, str(partition)).inc(span.events)
         metrics.batches.inc()
+        if self.late is not None:
+            self.late.trained(batch)
         if batch.size:
             applied = time.time()
             times = batch.event_time_ms.cpu().numpy()
@@ -139,6 +145,8 @@ class _Progress:
         if batch.size:
             self.metrics.loss.set(loss_sum / batch.size)
             self.metrics.task_quality.add(result.logits.numpy(), batch.labels.numpy())
+            if self.late is not None:
+                self.late.matured.add(result.logits.numpy(), batch)
         self.loss_sum += loss_sum
         self.loss_events += batch.size
 
@@ -160,11 +168,15 @@ class _Progress:
         loss = f"{(loss_sum - self.last_loss_sum) / read:.4f}" if read else "-"
         qualities = self.metrics.task_quality.compute()
         self.metrics.examples_per_second.set(rate)
-        for task, quality in qualities.items():
-            for window, values in quality.items():
-                for name, value in values.items():
-                    if math.isfinite(value):  # a rank that has seen no positives yet has no figures yet
-                        self.metrics.quality_gauges[name].labels(task, window).set(value)
+        by_maturity = {"provisional": qualities}
+        if self.late is not None:
+            by_maturity["matured"] = self.late.matured.compute()
+        for maturity, figures in by_maturity.items():
+            for task, quality in figures.items():
+                for window, values in quality.items():
+                    for name, value in values.items():
+                        if math.isfinite(value):  # a rank that has seen no positives yet has no figures yet
+                            self.metrics.quality_gauges[name].labels(task, window, maturity).set(value)
         aucs = [(task, f"{quality['window']['auc']:.4f}") for task, quality in qualities.items()]
         # One task: the single-label line as it always was; several: each task's, by name.
         auc = aucs[0][1] if len(aucs) == 1 else ", ".join(f"{task} {value}" for task, value in aucs)
@@ -318,11 +330,14 @@ def _run(
     )
     health.ready = True  # the state is restored and the broker answered the source's metadata request
     health.not_ready_reason = "the Kafka brokers are down"
+    if trainer.late_share is not None:  # each rank's share from its partitions' counts at the cut
+        trainer.late_share.restore(restored.positives if restored else {}, source.partitions)
     decoder = AvroBatchDecoder(
         config.features,
         schema_source(config.features),
         config.tasks(),
         threads=decode_threads(config.batching.decode_threads, env.device),
+        delayed=config.delayed_labels,
     )
     log.info("rank %d decoding on %d thread(s) (batching.decode_threads)", env.rank, decoder.slices.threads)
     rejections = Rejections(config.dead_letter, config.kafka, metrics, env.rank)
@@ -371,6 +386,11 @@ def _run(
         observers,
         lag=lambda: prefetcher.lag.total,
         event_time_bound=config.features.event_time_bound_ms,
+        late=None
+        if config.delayed_labels is None
+        else LateLabelWatch(
+            config.tasks(), config.metrics.auc_window, config.delayed_labels.matured_max_pending, metrics.late
+        ),
     )
     exit_code = ExitCode.OK
     prefetcher.start()

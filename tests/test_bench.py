@@ -496,3 +496,20 @@ def test_datapath_benchmark_reports_each_thread_counts_rate_the_scaling_and_a_pr
     assert all(rate > 0 for rate in saved["events_per_cpu_second_by_threads"].values())
     assert 0 < saved["projected_events_per_second"] <= saved["ceiling_events_per_second"]
     assert "decode stage, 2 threads / 1" in printed and "projected from the CPU, 16 cores" in printed
+
+
+def test_delayed_benchmark_trains_every_leg_on_one_stream_and_scores_each_tasks_holdout():
+    saved, printed = _run_bench("delayed", "--quick", "--config", str(SMALL_CONFIG))
+    legs = {"oracle", "window", "naive", "fnw", "fnc", "es_dfm"}
+    for task in ("clk", "buy"):
+        assert set(saved["tasks"][task]) == legs
+        for figures in saved["tasks"][task].values():
+            assert 0.5 < figures["holdout_auc"] <= 1 and figures["ne"] > 0 and figures["calibration"] > 0
+        assert saved["goals"][task]["best_correction"] in ("fnw", "fnc", "es_dfm")
+        # with every label late (the reference joiner), es_dfm's share is 1: it is fnw
+        assert saved["tasks"][task]["es_dfm"] == saved["tasks"][task]["fnw"]
+    assert saved["stream"]["late_labels"] > 0 and saved["stream"]["samples"] == 6_000 + saved["stream"]["late_labels"]
+    assert saved["evaluated_after"] == [4_000, 6_000] and set(saved["final_holdout"]["clk"]) == legs
+    assert set(saved["throughput"]) == {"fnw", "fnc", "es_dfm"} and saved["throughput_ratio"] > 0
+    assert saved["throughput_ratio"] == min(t["ratio"] for t in saved["throughput"].values())
+    assert "best correction" in printed and "training throughput over naive's" in printed

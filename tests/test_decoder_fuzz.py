@@ -317,6 +317,7 @@ def _bounds(count: int, tmp_path: Path) -> None:
                     np.zeros((1, 1), np.float32),  # one task's label column
                     np.ones(1, np.bool_),  # and it is required
                     np.zeros(1, np.int64),
+                    np.zeros((1, 4), np.int64),  # the late-label sample columns
                 )
             checked += 1
     print(f"checked {checked} payloads")

@@ -272,12 +272,26 @@ def test_delayed_joiner_writes_each_sample_once_across_a_kill_and_the_worker_tra
     )
 
 
+CORRECTIONS = {"clk": "es_dfm", "buy": "fnc"}
+
+
 def worker_config(tmp_path: Path) -> Path:
-    """The suite's small worker on the sample schema, each task's null label masked."""
+    """The suite's small worker on the sample schema as late labels (docs/delayed-labels.md): each
+    task with the joiner's attribution window and a correction, its null label masked."""
     config = yaml.safe_load((REPO / "tests" / "worker-small.yaml").read_text())
     config["features"]["schema_path"] = str(SAMPLE_SCHEMA)
     del config["features"]["label"]
-    config["model"]["tasks"] = [{"name": task, "label": task, "required": False} for task in TASKS]
+    config["model"]["tasks"] = [
+        {
+            "name": task,
+            "label": task,
+            "required": False,
+            "attribution_window_seconds": window_ms / 1000,
+            "correction": CORRECTIONS[task],
+        }
+        for task, window_ms in TASKS.items()
+    ]
+    config["delayed_labels"] = {}
     (tmp_path / "worker.yaml").write_text(yaml.safe_dump(config))
     return tmp_path / "worker.yaml"
 

@@ -449,7 +449,7 @@ def metrics_of(registry: CollectorRegistry) -> dict[str, Metric]:
             found[name] = Metric(name, kind, frozenset(collector._labelnames))
         else:  # a collector of our own (BulkHistogram): its families say what it is
             for family in collector.collect():
-                found[family.name] = Metric(family.name, family.type, frozenset())
+                found[family.name] = Metric(family.name, family.type, frozenset(getattr(collector, "labelnames", ())))
     assert {m.removesuffix("_total").removesuffix("_info") for m in found} == {f.name for f in registry.collect()}
     return found
 

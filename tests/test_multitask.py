@@ -213,7 +213,9 @@ def test_each_task_has_its_own_progressive_figures_and_masked_labels_are_left_ou
         _Progress(metrics, 0, "clicks", 3600, lambda: 0, []).report()
     assert "progressive AUC ctr 0." in caplog.text and ", cvr 0." in caplog.text
     for task in ("ctr", "cvr"):
-        value = metrics.registry.get_sample_value("streamtrain_progressive_auc", {"task": task, "window": "window"})
+        value = metrics.registry.get_sample_value(
+            "streamtrain_progressive_auc", {"task": task, "window": "window", "maturity": "provisional"}
+        )
         assert value == pytest.approx(figures[task]["window"]["auc"])
 
 

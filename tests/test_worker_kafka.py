@@ -37,7 +37,7 @@ def test_worker_trains_every_event_and_learns_the_planted_signal(kafka, topic_na
         key = f'streamtrain_events_trained_total{{partition="{partition}",topic="{topic_name}"}}'
         assert samples[key] == count
     assert worker.total("streamtrain_events_consumed_total", samples) == EVENTS
-    auc = samples['streamtrain_progressive_auc{task="clk",window="window"}']
+    auc = samples['streamtrain_progressive_auc{maturity="provisional",task="clk",window="window"}']
     assert auc > 0.65, f"progressive AUC over the last 5,000 events is {auc}; Bayes AUC {report.bayes_auc}"
     assert samples["streamtrain_loss"] < 0.69  # better than the untrained model's log(2)
     # The progress line says how far behind the end offsets the rank is: nothing, once all is trained.

@@ -82,6 +82,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "streamtrain.bench.idspace",
         "hash-mod against the managed id mapping at the same memory on a drifting stream, beside a 40x reference",
     ),
+    "delayed": (
+        "streamtrain.bench.delayed",
+        "late labels under each correction against waiting the window and knowing them at once, holdout scored",
+    ),
     "soak": (
         "streamtrain.bench.soak",
         "3 Kafka nodes, worker, serve for --minutes under random broker, rank and serve faults: lost, trained twice, "

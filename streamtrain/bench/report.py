@@ -164,6 +164,23 @@ def _idspace(r: dict) -> str | None:
     )
 
 
+def _delayed(r: dict) -> str | None:
+    """Per task, the best correction's holdout AUC against the oracle's, and its calibration."""
+    goals, tasks = r.get("goals"), r.get("tasks")
+    if not goals or not tasks:
+        return None
+    parts = []
+    for task, legs in tasks.items():
+        best = goals[task]["best_correction"]
+        gap = legs["oracle"]["holdout_auc"] - legs[best]["holdout_auc"]
+        calibration = legs[best]["calibration"]
+        parts.append(
+            f"{task}: {best} **{gap:+.4f}** below the oracle, calibration **{calibration:.3f}** "
+            f"{_goal('goal ≤ 0.003 and within [0.97, 1.03]', goals[task]['best_met'])}"
+        )
+    return "; ".join(parts)
+
+
 def _memory(r: dict) -> str | None:
     growth = r.get("growth_after_warm_up")
     return None if growth is None else f"**{100 * growth:.1f}%** {_goal('goal < 10%', growth < 0.1)}"
@@ -249,6 +266,18 @@ FIGURES = [
         "idspace",
         _idspace,
         "benchmarks.md#bench-idspace",
+    ),
+    Figure(
+        "late labels: the best correction's holdout AUC and calibration, per task",
+        "delayed",
+        _delayed,
+        "benchmarks.md#bench-delayed",
+    ),
+    Figure(
+        "corrections' events/s ÷ no correction's, slowest correction",
+        "delayed",
+        _ratio("throughput_ratio", "goal ≥ 0.95", 0.95),
+        "benchmarks.md#bench-delayed",
     ),
     Figure(
         "worker RSS growth after the warm-up, a backlog waiting in Kafka",

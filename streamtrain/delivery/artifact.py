@@ -38,6 +38,7 @@ from streamtrain import durable
 from streamtrain.checkpoint import MARKER, SnapshotInfo, list_snapshots, verify_snapshot
 from streamtrain.config import FeaturesConfig, ModelConfig, TaskConfig, default_tasks
 from streamtrain.decode import ClickBatch
+from streamtrain.delayed import served_logits
 from streamtrain.delivery.deltas import Delta, IdPiece
 from streamtrain.delivery.safeload import load_program
 from streamtrain.delivery.spec import (
@@ -76,8 +77,9 @@ class ExportError(RuntimeError):
 
 class ScoringModule(nn.Module):
     """What is exported: the trained net (and its heads) on plain tensors, returning click
-    probabilities [B, tasks]. Plain tensors in, since a KeyedJaggedTensor is no input a serving
-    runtime can build; the KJT is made inside, from the table order the decoder keys by."""
+    probabilities [B, tasks], as training serves them (fnc's tasks calibrated, streamtrain/delayed.py).
+    Plain tensors in, since a KeyedJaggedTensor is no input a serving runtime can build; the KJT is
+    made inside, from the table order the decoder keys by."""
 
     def __init__(self, model: ClickModel, keys: list[str]):
         super().__init__()
@@ -85,11 +87,12 @@ class ScoringModule(nn.Module):
         self.add_module(model.net_name, model.net)  # the model's attribute name: parameter names stay the snapshot's
         self.pairs = model.pairs
         self.keys = keys
+        self.calibrated = model.corrections.calibrated if model.corrections is not None else ()
 
     def forward(self, dense: torch.Tensor, values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         sparse = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths)
         logits = net_logits(self.get_submodule(self.net_name), self.pairs, dense, sparse)
-        return torch.sigmoid(logits).reshape(dense.shape[0], -1)
+        return torch.sigmoid(served_logits(logits, self.calibrated)).reshape(dense.shape[0], -1)
 
 
 def servable_config(record: dict[str, Any]) -> tuple[FeaturesConfig, ModelConfig, list[TaskConfig]]:

@@ -27,6 +27,7 @@ from streamtrain.metrics import roc_auc
 from streamtrain.schema import load_schema
 
 if TYPE_CHECKING:
+    from streamtrain.dev.delays import Delays
     from streamtrain.dev.drift import Drift
 
 CARDINALITY = {
@@ -290,6 +291,7 @@ class ProduceReport:
     # per label (clk; buy over all events; buy_given_clk over the clicks), see bayes_aucs
     bayes_aucs: dict[str, float]
     buy_rate: float
+    late_labels: int = 0  # with delays: the label samples among the produced messages
 
 
 def produce(
@@ -307,6 +309,7 @@ def produce(
     progress: Callable[[str], None] | None = None,
     should_stop: Callable[[], bool] = lambda: False,
     drift: Drift | None = None,
+    delays: Delays | None = None,
 ) -> ProduceReport:
     """Write ``count`` synthetic events to ``topic`` (created with ``partitions`` if absent).
 
@@ -316,7 +319,11 @@ def produce(
     stays about when it was sent and a freshness read from it is the pipeline's, not the sender's
     shortfall; unless ``start_time_ms`` fixes the times. Keys are user ids, so one user's events
     stay in one partition, unless ``partition`` sends every event to that one partition (a skewed
-    stream). ``drift`` writes the drifting stream instead (``streamtrain.dev.drift``).
+    stream). ``drift`` writes the drifting stream instead (``streamtrain.dev.drift``). ``delays``
+    writes it as a joiner would, its labels late (``streamtrain.dev.delays``; ``schema_path`` must be
+    a sample schema such as schemas/click_sample.avsc): ``count`` impressions and the late labels
+    that arrive meanwhile, keyed by impression id, their event times the stream's own clock
+    (``Delays.stream_rate``), whatever ``rate`` paces the sends.
     """
     from confluent_kafka import Producer
 
@@ -333,12 +340,13 @@ def produce(
             **(client_config or {}),
         }
     )
+    pace = rate if delays is None else delays.stream_rate  # what event times follow
     if drift is None:
-        stream = ClickStream(seed, start_time_ms, rate)
+        stream = ClickStream(seed, start_time_ms, pace)
     else:
         from streamtrain.dev.drift import DriftingClickStream
 
-        stream = DriftingClickStream(seed, start_time_ms, rate, drift)
+        stream = DriftingClickStream(seed, start_time_ms, pace, drift)
     encoder = AvroEncoder(schema_path)
     truths: list[Truth] = []
     failures: list[str] = []
@@ -352,14 +360,20 @@ def produce(
     started = last_report = time.monotonic()
     produced = 0
     behind = False
-    for key, value, truth in labelled_events(stream, encoder, count):
+    if delays is None:
+        messages: Iterator[tuple[bytes, bytes, Truth | None]] = labelled_events(stream, encoder, count)
+    else:
+        from streamtrain.dev.delays import SampleEncoder, joined_events
+
+        messages = joined_events(stream, SampleEncoder(schema_path), count, delays, seed)
+    for key, value, truth in messages:
         if should_stop():
             break
         if rate:
             ahead = started + produced / rate - time.monotonic()
             if ahead > 0:
                 time.sleep(ahead)
-            elif ahead < -_MAX_BEHIND_SECONDS and start_time_ms is None:
+            elif ahead < -_MAX_BEHIND_SECONDS and start_time_ms is None and delays is None:
                 if progress and not behind:
                     progress(f"this machine sends fewer than {rate:,.0f} events/s: event times follow the sends")
                 behind = True
@@ -377,7 +391,8 @@ def produce(
                 break
             except BufferError:  # the local queue is full: let librdkafka drain it
                 producer.poll(0.05)
-        truths.append(truth)
+        if truth is not None:
+            truths.append(truth)
         produced += 1
         producer.poll(0)
         now = time.monotonic()
@@ -394,9 +409,10 @@ def produce(
         produced,
         seconds,
         aucs["clk"],
-        float(clk.mean()) if produced else 0.0,
+        float(clk.mean()) if truths else 0.0,
         aucs,
-        float(buy.mean()) if produced else 0.0,
+        float(buy.mean()) if truths else 0.0,
+        produced - len(truths),
     )
     if progress:
         progress(
@@ -405,6 +421,13 @@ def produce(
             f"buy rate {report.buy_rate:.4f}, its Bayes-optimal AUC {aucs['buy']:.4f} over all events "
             f"and {aucs['buy_given_clk']:.4f} over clicks"
         )
+        if delays is not None:
+            windows = ", ".join(f"{task} {seconds:,.0f} s" for task, seconds in delays.window_seconds().items())
+            progress(
+                f"delays: {report.late_labels:,} late labels among them, after their {len(truths):,} impressions; "
+                f"labels are final within the attribution windows ({windows} of stream time at "
+                f"{delays.stream_rate:,g} events/s)"
+            )
         if drift is not None:
             progress(
                 f"drift: {drift.users:,} users and {drift.ads:,} ads live at any moment, each for "
