@@ -247,6 +247,7 @@ def test_delivery_benchmark_reports_servable_latency_the_throughput_ratio_and_by
     live = saved["live"]
     assert saved["max_events_per_second"] > 0 and live["produced_events"] > 0
     assert live["deltas_applied"] >= 2 and live["servable"]["counted_events"] > 0
+    assert 0 < live["delta_cut_seconds_mean"] < 60  # the worker's own histogram of its cuts, read before its stop
     # served no sooner than trained: a delta is cut after the step it covers
     assert 0 < saved["servable_p50_seconds"] <= saved["servable_p99_seconds"] <= saved["servable_max_seconds"]
     assert len(saved["legs"]["with"]) == len(saved["legs"]["without"]) == 1  # one round when quick

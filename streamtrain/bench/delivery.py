@@ -314,6 +314,7 @@ def _live(
         sent = _send_paced(bootstrap, topic, pool, rate, seconds)
         produced_seconds = time.time() - started
         _until_served([port + rank for rank in range(WORLD_SIZE)], sent, applied, 3.0 + 2 * DELTA_INTERVAL_SECONDS)
+        cuts = [scrape(port + rank) for rank in range(WORLD_SIZE)]
     finally:
         stop_worker(worker, 120)
         server.stop()
@@ -341,6 +342,8 @@ def _live(
         "delta_bytes_per_second": sum(size for _at, size in read) / window_seconds,
         "snapshot_bytes": max((_size(p) for p in snapshots), default=0),
         "artifact_bytes": bases[-1].stat().st_size if bases else 0,
+        # what a cut held each rank's training thread, on average (streamtrain_delta_cut_seconds)
+        "delta_cut_seconds_mean": _mean_cut(cuts),
         "servable": {
             "counted_events": int(values.size),
             "never_served_events": int((counted & np.isnan(latency)).sum()),
@@ -350,6 +353,12 @@ def _live(
         "trained_freshness_p99": float(np.quantile(data.freshness[counted], 0.99)) if counted.any() else float("nan"),
         "cdf": cdf_points(values),
     }
+
+
+def _mean_cut(samples: list[dict[str, float]]) -> float:
+    count = sum(s.get("streamtrain_delta_cut_seconds_count", 0.0) for s in samples)
+    total = sum(s.get("streamtrain_delta_cut_seconds_sum", 0.0) for s in samples)
+    return total / count if count else float("nan")
 
 
 def _until_served(ports: list[int], sent: int, applied: _AppliedDeltas, timeout: float) -> None:
@@ -406,6 +415,11 @@ def table(result: dict) -> str:
         f"deltas every {result['delta_interval_seconds']:g}s, {live['deltas_applied']} applied by the server):",
         f"    p50 {servable['p50']:.3f}s   p99 {servable['p99']:.3f}s   max {servable['max']:.3f}s   "
         f"({servable['counted_events']:,} events; {servable['never_served_events']:,} never in an applied delta)",
+        *(
+            [f"    a cut held the training thread {1000 * live['delta_cut_seconds_mean']:.1f} ms on average"]
+            if "delta_cut_seconds_mean" in live
+            else []
+        ),
         f"  training throughput, {len(result['legs']['with'])} round(s) of with / without deltas, the order "
         f"alternating, each leg {result['leg_events']:,} events:",
         f"    without deltas {result['without_events_per_second']:,.0f} events/s   "
