@@ -80,6 +80,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "streamtrain.bench.idspace",
         "hash-mod against the managed id mapping at the same memory on a drifting stream, beside a 40x reference",
     ),
+    "gpu": (
+        "streamtrain.bench.gpu",
+        "one rank on a GPU (or --device cpu): the worker from Kafka against its trainer alone, the pipelines, "
+        "managed ids against hash",
+    ),
 }
 
 

@@ -246,8 +246,9 @@ def worker_leg(
     profile: bool = False,
     broker_pid: int | None = None,
     environment: dict[str, str] | None = None,
+    ranks: int = WORLD_SIZE,
 ) -> dict:
-    """``streamtrain worker --nproc 2 --until-end`` on the topic; its run record gives the rate.
+    """``streamtrain worker --nproc RANKS --until-end`` on the topic; its run record gives the rate.
     ``environment`` overrides the worker's (config fields as STREAMTRAIN_SECTION__FIELD)."""
     from streamtrain.bench.common import wait_until_training
     from streamtrain.dev.kafka import free_port
@@ -265,7 +266,7 @@ def worker_leg(
                     "--config",
                     str(config),
                     "--nproc",
-                    str(WORLD_SIZE),
+                    str(ranks),
                     "--until-end",
                 ],
                 cwd=CHECKOUT,
