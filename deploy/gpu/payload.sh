@@ -2,7 +2,7 @@
 # `make gpu-payload`: builds, on a CPU host, everything a lent GPU machine lacks to run
 # deploy/gpu/check.sh, in parts small enough for the device tool's carry limit (64 MiB a call).
 #
-#   .gpu/downloads/   the wheels, fetched once and kept (about 560 MB, fbgemm-gpu's 465 MB of it)
+#   .gpu/downloads/   the wheels, fetched once and kept (about 500 MB, fbgemm-gpu's 465 MB of it)
 #   .gpu/build/       the tree that is packed: site/ (every package, installed for cp312) and
 #                     kafka-libs/ (the broker's jars); made on each run, removed once packed
 #   .gpu/c1, c2, ...  the packed tree (tar, xz) split into parts, one folder per device call, each
