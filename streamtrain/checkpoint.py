@@ -509,8 +509,14 @@ def verify_snapshot(path: str, step: int | None = None) -> SnapshotInfo:
         return SnapshotInfo(path, step, False, "never finished (no commit by rank 0)", None, size)
     try:
         metadata = json.loads(fs.cat_file(_join(local, MARKER)))
-        if metadata.get("format") != FORMAT_VERSION or "stream" not in metadata:
-            raise ValueError(f"unknown format {metadata.get('format')!r}")
+        written = metadata.get("format")
+        if isinstance(written, int) and written > FORMAT_VERSION:
+            raise ValueError(
+                f"written in snapshot format {written} by a newer streamtrain; this one reads format "
+                f"{FORMAT_VERSION}: restore it with a version that reads it (docs/upgrading.md)"
+            )
+        if written != FORMAT_VERSION or "stream" not in metadata:
+            raise ValueError(f"unknown format {written!r}")
     except FileNotFoundError:
         return SnapshotInfo(path, step, False, f"no {MARKER} marker", None, size)
     except (ValueError, KeyError) as error:

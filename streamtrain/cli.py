@@ -303,7 +303,9 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    limits = ServeLimits(args.max_request_bytes, args.max_events, args.max_in_flight, args.token_file)
+    limits = ServeLimits(
+        args.max_request_bytes, args.max_events, args.max_in_flight, args.token_file, args.body_timeout_seconds
+    )
     try:
         server = ScoringServer(
             model, deltas, args.host, args.port, args.base_wait_seconds, args.base_wait_seconds, limits=limits
@@ -348,6 +350,7 @@ def _serving_sources(args: argparse.Namespace) -> tuple[Path, DeltaSource | None
             raise ConfigError("--deltas TOPIC needs --bootstrap-servers HOST:PORT, or the worker's --config")
         return model, KafkaDeltas(args.bootstrap_servers, args.deltas)
     kafka = config.kafka
+    config.check_clients()  # a property librdkafka refuses is named now, not at the first poll
     return model, KafkaDeltas(
         args.bootstrap_servers or kafka.bootstrap_servers,
         args.deltas or config.delivery.resolved_topic(kafka.topic),
@@ -631,6 +634,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_count,
         default=8,
         help="/score requests handled at once; more get 503 with Retry-After (default 8)",
+    )
+    serve.add_argument(
+        "--body-timeout-seconds",
+        type=float,
+        default=10.0,
+        help="a /score body not received within this many seconds gets 408, freeing its slot (default 10)",
     )
     serve.add_argument(
         "--token-file",

@@ -338,6 +338,18 @@ class WorkerMetrics:
         self.consumed_bytes = Counter(
             "streamtrain_consumed_bytes", "Payload bytes read from Kafka.", tp, registry=registry
         )
+        self.topic_partitions = Gauge(
+            "streamtrain_topic_partitions",
+            "Partitions of the topic, as this rank last saw its metadata.",
+            ["topic"],
+            registry=registry,
+        )
+        self.partitions_picked_up = Counter(
+            "streamtrain_partitions_picked_up_total",
+            "Partitions added to the topic while the worker ran that this rank began reading.",
+            ["topic"],
+            registry=registry,
+        )
         self.kafka_errors = Counter(
             "streamtrain_kafka_errors", "Errors reported by the Kafka client, by code.", ["code"], registry=registry
         )

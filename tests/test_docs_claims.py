@@ -463,7 +463,7 @@ def worker_metrics() -> dict[str, Metric]:
 
 @functools.cache
 def serve_metrics() -> dict[str, Metric]:
-    from streamtrain.delivery.serve import ServeMetrics
+    from streamtrain.delivery.serve.metrics import ServeMetrics
 
     return metrics_of(ServeMetrics().registry)
 
@@ -634,7 +634,9 @@ def test_docs_claims_references_to_the_readme_name_its_sections(page):
     assert not wrong, "\n".join(wrong)
 
 
-@pytest.mark.parametrize("page", [*pages(), REPO / "CHANGELOG.md", *GENERATED], ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize(
+    "page", [*pages(), REPO / "CHANGELOG.md", *sorted(GENERATED)], ids=lambda p: str(p.relative_to(REPO))
+)
 def test_docs_claims_no_issue_numbers_and_no_paths_outside_the_repository(page):
     text = page.read_text()
     wrong = [
