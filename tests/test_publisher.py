@@ -29,7 +29,7 @@ from streamtrain.delivery.publisher import (
     DeliveryFailed,
     DirectoryTarget,
     Publisher,
-    TouchedIds,
+    TouchedRows,
 )
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 from streamtrain.device import init_distributed
@@ -74,20 +74,33 @@ def kjt(ids: dict[str, list[int]]) -> KeyedJaggedTensor:
     )
 
 
-def test_touched_ids_are_each_tables_unique_rows_across_compactions():
-    touched = TouchedIds(["a", "b"], compact_at=4)
+def test_touched_rows_are_each_tables_unique_rows_sorted_and_a_take_starts_afresh():
+    touched = TouchedRows({"a": 10, "b": 8})
+    assert not touched
     touched.add(kjt({"a": [5, 3, 5], "b": []}))
-    touched.add(kjt({"a": [3, 9], "b": [1]}))  # past compact_at: reduced to unique ids, none lost
+    touched.add(kjt({"a": [3, 9], "b": [1]}))
     touched.add(kjt({"a": [2], "b": [1, 7]}))
     assert touched
     taken = touched.take()
     assert not touched
     assert taken["a"].tolist() == [2, 3, 5, 9] and taken["b"].tolist() == [1, 7]
+    assert taken["a"].dtype == np.int64
     assert all(ids.size == 0 for ids in touched.take().values())  # a take starts afresh
+    touched.add(kjt({"a": [], "b": []}))
+    assert not touched  # a batch of no lookups touches nothing
+
+
+def test_the_union_of_several_ranks_takes_is_every_row_any_of_them_touched_once():
+    touched = TouchedRows({"a": 10, "b": 8})
+    touched.add(kjt({"a": [4], "b": [0]}))
+    mine = touched.take()
+    union = touched.union([mine, {"a": np.array([1, 4, 9]), "b": np.array([], np.int64)}])
+    assert union["a"].tolist() == [1, 4, 9] and union["b"].tolist() == [0]
+    assert not touched and all(ids.size == 0 for ids in touched.take().values())
 
 
 def test_a_feature_sharing_a_table_touches_its_owners_rows():
-    touched = TouchedIds(["cate_id"], {"recent_cate_ids": "cate_id"})
+    touched = TouchedRows({"cate_id": 10}, {"recent_cate_ids": "cate_id"})
     touched.add(kjt({"cate_id": [4], "recent_cate_ids": [7, 4, 2]}))
     assert {table: ids.tolist() for table, ids in touched.take().items()} == {"cate_id": [2, 4, 7]}
 

@@ -86,6 +86,11 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "streamtrain.bench.delayed",
         "late labels under each correction against waiting the window and knowing them at once, holdout scored",
     ),
+    "gpu": (
+        "streamtrain.bench.gpu",
+        "one rank on a GPU (or --device cpu): the worker from Kafka against its trainer alone, the pipelines, "
+        "managed ids against hash",
+    ),
     "soak": (
         "streamtrain.bench.soak",
         "3 Kafka nodes, worker, serve for --minutes under random broker, rank and serve faults: lost, trained twice, "

@@ -299,6 +299,40 @@ def throughput(step_wall: np.ndarray, step_events: np.ndarray, warm_up_seconds: 
     }
 
 
+def alternated(names: Sequence[str], rounds: int) -> list[list[str]]:
+    """Each round's order of the legs: as given, then reversed, in turn (A B, B A, A B, ...), so
+    that the machine's speed drifting over a run weighs on every leg alike."""
+    return [list(names) if r % 2 == 0 else list(names)[::-1] for r in range(rounds)]
+
+
+def spread(values: Sequence[float]) -> dict[str, float | int]:
+    """Per-round ratios summed up: their median (the figure), and how far they spread (min, max,
+    and the quartiles, whose distance is the interquartile range)."""
+    known = np.asarray(values, dtype=np.float64)
+    if known.size == 0:
+        nan = float("nan")
+        return {"median": nan, "min": nan, "max": nan, "q25": nan, "q75": nan, "rounds": 0}
+    q25, median, q75 = (float(q) for q in np.quantile(known, [0.25, 0.5, 0.75]))
+    return {
+        "median": median,
+        "min": float(known.min()),
+        "max": float(known.max()),
+        "q25": q25,
+        "q75": q75,
+        "rounds": int(known.size),
+    }
+
+
+def spread_text(figures: dict) -> str:
+    """A ratio's spread, for a printed line: "median of 3 rounds, 0.88-0.93, IQR 0.90-0.92"."""
+    if figures["rounds"] < 2:
+        return "1 round: no spread"
+    return (
+        f"median of {figures['rounds']} rounds, {figures['min']:.2f}-{figures['max']:.2f}, "
+        f"IQR {figures['q25']:.2f}-{figures['q75']:.2f}"
+    )
+
+
 def quantiles(values: np.ndarray, qs: tuple[float, ...] = (0.5, 0.9, 0.99, 0.999)) -> dict[str, float]:
     if values.size == 0:
         return {f"p{q * 100:g}": float("nan") for q in qs}

@@ -11,8 +11,13 @@ In one run, on one local broker:
    that trained the event, minus the event's time (the worker's run record gives each step's
    number and its events' times; the server's ``on_delta_applied`` hook each delta's step and apply
    time; one machine, one clock). Events trained in the first --warm-up seconds are not counted;
-3. cost: a backlog of --leg-events trained --rounds times with deltas every 1 s and without, in
-   alternating legs (checkpoints on in both, to fresh folders); the ratio is with over without.
+3. cost: one backlog trained --rounds times with deltas every 1 s and without, the order of the
+   two legs reversed every other round (with, without; without, with; ...), each leg a worker of
+   its own reading the backlog from the start (checkpoints on in both, to fresh folders). The
+   backlog is sized for --leg-seconds of training at step 1's rate after each leg's 5 s warm-up,
+   so the figure does not hang on a few seconds: legs of 4 s read ratios from 0.60 to 1.00. Each
+   round's ratio is its with over its without, and the figure is the rounds' median, printed and
+   saved with its spread (min, max, quartiles). Step 1 warms the broker and the page cache first.
    Both legs publish bases (the step-0 snapshot and the start base's export, which a leg of tens
    of seconds cannot amortise); "without" has no delta due within the leg, so the ratio is what
    the deltas cost. What bases cost is the max leg's rate (delivery off) against "without"'s.
@@ -41,11 +46,14 @@ import numpy as np
 
 from streamtrain.bench.common import (
     SCHEMA,
+    alternated,
     cdf_points,
     machine,
     quantiles,
     rate_text,
     scrape,
+    spread,
+    spread_text,
     stop_worker,
     wait_until_ready,
     wait_until_trained,
@@ -72,13 +80,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--warm-up", type=float, default=10.0, help="first seconds of producing not counted (default 10)"
     )
     parser.add_argument(
-        "--leg-events", type=int, default=300_000, help="backlog each throughput leg trains (default 300,000)"
+        "--leg-seconds",
+        type=float,
+        default=25.0,
+        help="counted seconds of each throughput leg, at the max throughput: sizes the legs' backlog (default 25)",
     )
     parser.add_argument(
-        "--rounds", type=int, default=2, help="alternating rounds of (without deltas, with deltas), at least 2"
+        "--leg-events", type=int, default=None, help="the legs' backlog in events, in place of --leg-seconds"
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of (with deltas, without), the order alternating (default 3)"
     )
 
 
+# The seconds after a leg's first trained event that it does not count.
+LEG_WARM_UP_SECONDS = 5.0
 # "Without deltas": delivery on, bases published, but no delta due within any leg.
 NO_DELTAS_INTERVAL_SECONDS = 86_400.0
 
@@ -104,11 +120,11 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
     from streamtrain.dev.kafka import KafkaBroker
     from streamtrain.dev.produce import produce
 
-    if args.rounds < 2:
-        raise SystemExit("streamtrain bench delivery: --rounds must be at least 2 (alternating legs of each)")
+    if args.rounds < 1:
+        raise SystemExit("streamtrain bench delivery: --rounds must be at least 1")
     rounds = args.rounds
-    # Quick proves it runs, judges nothing: one leg each, so four worker starts, not six. A worker's
-    # start and stop (with two base exports when delivery is on) cost far more than its events.
+    # Quick proves it runs, judges nothing: one leg each, so four worker starts, not eight. A
+    # worker's start and stop (with two base exports when delivery is on) cost far more than its events.
     if args.quick:
         max_events, seconds, warm_up, leg_events, leg_warm_up, rounds = 8_000, 4.0, 1.0, 5_000, 0.5, 1
     else:
@@ -117,7 +133,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
             args.seconds,
             args.warm_up,
             args.leg_events,
-            5.0,
+            LEG_WARM_UP_SECONDS,
         )
     checkpoint_interval = load_config(args.config, {}).checkpoint.interval_seconds
     with KafkaBroker() as broker, tempfile.TemporaryDirectory(prefix="streamtrain-dbench-") as scratch:
@@ -144,11 +160,16 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         if live["servable"]["counted_events"]:
             s = live["servable"]
             progress(f"  servable p50 {s['p50']:.3f}s, p99 {s['p99']:.3f}s, max {s['max']:.3f}s")
-        progress(f"throughput legs: {leg_events:,} events each, {rounds} round(s) of without / with deltas")
+        if leg_events is None:
+            leg_events = int(maximum["events_per_second"] * (args.leg_seconds + leg_warm_up))
+        progress(
+            f"throughput legs: {leg_events:,} events each, {rounds} round(s) of with / without deltas, "
+            "the order alternating"
+        )
         produce(bootstrap, "delivery-legs", leg_events, partitions=4, seed=7, schema_path=SCHEMA)
         legs: dict[str, list[dict]] = {"without": [], "with": []}
-        for round_ in range(rounds):
-            for name in ("without", "with"):
+        for round_, order in enumerate(alternated(("with", "without"), rounds)):
+            for name in order:
                 leg = worker_leg(
                     args.config,
                     bootstrap,
@@ -163,9 +184,14 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
                 )
                 legs[name].append(leg)
                 progress(f"  round {round_ + 1} {name} deltas: {leg['events_per_second']:,.0f} events/s")
-    without = float(np.mean([leg["events_per_second"] for leg in legs["without"]]))
-    with_deltas = float(np.mean([leg["events_per_second"] for leg in legs["with"]]))
-    ratio = with_deltas / without if without else float("nan")
+    without = float(np.median([leg["events_per_second"] for leg in legs["without"]]))
+    with_deltas = float(np.median([leg["events_per_second"] for leg in legs["with"]]))
+    per_round = [
+        w["events_per_second"] / wo["events_per_second"] if wo["events_per_second"] else float("nan")
+        for w, wo in zip(legs["with"], legs["without"], strict=True)
+    ]
+    ratio_spread = spread(per_round)
+    ratio = ratio_spread["median"]
     snapshot_bytes = live["snapshot_bytes"]
     servable = live["servable"]
     result = {
@@ -188,6 +214,8 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         "without_events_per_second": without,
         "with_events_per_second": with_deltas,
         "throughput_ratio": ratio,
+        "throughput_ratios": per_round,
+        "throughput_ratio_spread": ratio_spread,
         "delta_bytes_per_second": live["delta_bytes_per_second"],
         "snapshot_bytes": snapshot_bytes,
         "checkpoint_interval_seconds": checkpoint_interval,
@@ -286,6 +314,7 @@ def _live(
         sent = _send_paced(bootstrap, topic, pool, rate, seconds)
         produced_seconds = time.time() - started
         _until_served([port + rank for rank in range(WORLD_SIZE)], sent, applied, 3.0 + 2 * DELTA_INTERVAL_SECONDS)
+        cuts = [scrape(port + rank) for rank in range(WORLD_SIZE)]
     finally:
         stop_worker(worker, 120)
         server.stop()
@@ -313,6 +342,8 @@ def _live(
         "delta_bytes_per_second": sum(size for _at, size in read) / window_seconds,
         "snapshot_bytes": max((_size(p) for p in snapshots), default=0),
         "artifact_bytes": bases[-1].stat().st_size if bases else 0,
+        # what a cut held each rank's training thread, on average (streamtrain_delta_cut_seconds)
+        "delta_cut_seconds_mean": _mean_cut(cuts),
         "servable": {
             "counted_events": int(values.size),
             "never_served_events": int((counted & np.isnan(latency)).sum()),
@@ -322,6 +353,12 @@ def _live(
         "trained_freshness_p99": float(np.quantile(data.freshness[counted], 0.99)) if counted.any() else float("nan"),
         "cdf": cdf_points(values),
     }
+
+
+def _mean_cut(samples: list[dict[str, float]]) -> float:
+    count = sum(s.get("streamtrain_delta_cut_seconds_count", 0.0) for s in samples)
+    total = sum(s.get("streamtrain_delta_cut_seconds_sum", 0.0) for s in samples)
+    return total / count if count else float("nan")
 
 
 def _until_served(ports: list[int], sent: int, applied: _AppliedDeltas, timeout: float) -> None:
@@ -378,11 +415,17 @@ def table(result: dict) -> str:
         f"deltas every {result['delta_interval_seconds']:g}s, {live['deltas_applied']} applied by the server):",
         f"    p50 {servable['p50']:.3f}s   p99 {servable['p99']:.3f}s   max {servable['max']:.3f}s   "
         f"({servable['counted_events']:,} events; {servable['never_served_events']:,} never in an applied delta)",
-        f"  training throughput, {len(result['legs']['with'])} alternating legs each of "
-        f"{result['leg_events']:,} events:",
+        *(
+            [f"    a cut held the training thread {1000 * live['delta_cut_seconds_mean']:.1f} ms on average"]
+            if "delta_cut_seconds_mean" in live
+            else []
+        ),
+        f"  training throughput, {len(result['legs']['with'])} round(s) of with / without deltas, the order "
+        f"alternating, each leg {result['leg_events']:,} events:",
         f"    without deltas {result['without_events_per_second']:,.0f} events/s   "
         f"with deltas every {result['delta_interval_seconds']:g}s {result['with_events_per_second']:,.0f} events/s   "
-        f"ratio {result['throughput_ratio']:.3f}",
+        f"(medians)",
+        f"    ratio {result['throughput_ratio']:.3f}{_ratio_spread(result)}",
         f"  delta bytes/s {result['delta_bytes_per_second'] / mib:,.2f} MiB/s   full snapshot "
         f"{result['snapshot_bytes'] / mib:,.1f} MiB: every {result['checkpoint_interval_seconds']:g}s (checkpoint "
         f"interval) {result['snapshot_bytes_per_second'] / mib:,.2f} MiB/s, every "
@@ -392,6 +435,12 @@ def table(result: dict) -> str:
         f"  throughput ratio {result['throughput_ratio']:.3f}: goal >= {GOAL_THROUGHPUT_RATIO:g} {_verdict(ratio_met)}",
     ]
     return "\n".join(lines)
+
+
+def _ratio_spread(result: dict) -> str:
+    """The throughput ratio's spread over the rounds, after it ("; ..."), where the result saved it."""
+    figures = result.get("throughput_ratio_spread")
+    return f"; {spread_text(figures)}" if figures else ""
 
 
 def markdown(result: dict) -> str:
@@ -404,7 +453,7 @@ def markdown(result: dict) -> str:
             "| servable p50 | servable p99 | max | throughput ratio | delta MiB/s | snapshot MiB/s |",
             "|---|---|---|---|---|---|",
             f"| {servable['p50']:.2f} s | **{servable['p99']:.2f} s** (goal ≤ 5 s) | {servable['max']:.2f} s | "
-            f"**{result['throughput_ratio']:.2f}** (goal ≥ 0.9) | {result['delta_bytes_per_second'] / mib:.2f} | "
-            f"{result['snapshot_bytes_per_second'] / mib:.2f} |",
+            f"**{result['throughput_ratio']:.2f}** (goal ≥ 0.9{_ratio_spread(result)}) | "
+            f"{result['delta_bytes_per_second'] / mib:.2f} | {result['snapshot_bytes_per_second'] / mib:.2f} |",
         ]
     )

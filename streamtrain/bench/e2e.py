@@ -15,7 +15,11 @@ that same topic and in the same run:
 
 Each figure is events/s over both ranks from the end of the warm-up to the last trained event;
 the warm-up is the first --warm-up seconds after the first trained event. Printed ratios: worker
-over naive (goal >= 2) and worker over limit (goal >= 0.8).
+over naive (goal >= 2) and worker over limit (goal >= 0.8). Each is the median of --rounds rounds
+(3), each round running every leg once, the order reversed every other round, after a worker leg
+that is not counted (the broker settles and the page cache fills during the first leg: a single
+round read 1.95 / 0.66 / 1.22 where the median of three read 2.20 / 0.77 / 1.30); the spread of
+the rounds' ratios (min, max, quartiles) is printed and saved beside each.
 
 With --models, the worker leg runs again per built-in model (``model.architecture``,
 streamtrain/models/), and each one's events/s is stated over DLRM's worker leg of the same run:
@@ -42,7 +46,18 @@ from pathlib import Path
 
 import numpy as np
 
-from streamtrain.bench.common import RESULTS, SCHEMA, local_rank_env, machine, rate_text, throughput, worker_device
+from streamtrain.bench.common import (
+    RESULTS,
+    SCHEMA,
+    alternated,
+    local_rank_env,
+    machine,
+    rate_text,
+    spread,
+    spread_text,
+    throughput,
+    worker_device,
+)
 from streamtrain.bench.cpu import GROUPS, CpuSampler, cpu_per_event, descendants, loadavg
 from streamtrain.bench.record import RunRecord
 from streamtrain.dev import CHECKOUT
@@ -74,9 +89,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rounds",
         type=int,
-        default=1,
+        default=3,
         help="run the legs this many times, in turn, the order reversed every other round, and report "
-        "each round's ratios and their median: the machine's speed drifts between legs (default 1)",
+        "each round's ratios, their median and their spread: the machine's speed drifts between legs "
+        "(default 3; 1 with --quick)",
+    )
+    parser.add_argument(
+        "--warm-up-leg",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first train the topic once with the worker, not counted, while the broker settles and the "
+        "page cache fills (default on; off with --quick)",
     )
     parser.add_argument(
         "--models",
@@ -99,6 +122,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
 
     events = 60_000 if args.quick else args.events
     warm_up = 0.5 if args.quick else args.warm_up
+    rounds_wanted = 1 if args.quick else args.rounds
     load_before = loadavg()
     rounds: list[dict[str, dict]] = []
     with KafkaBroker() as broker:
@@ -108,10 +132,13 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         names = ["worker", *(["naive"] if args.baseline else []), *(["limit"] if args.limit else [])]
         kafka = {"bootstrap": broker.bootstrap_servers, "topic": "e2e", "warm_up": warm_up, "profile": args.profile,
                  "broker_pid": broker.pid}  # fmt: skip
-        for round_ in range(args.rounds):
+        if args.warm_up_leg and not args.quick:
+            progress(f"warm-up, not counted: {LEGS['worker']}")
+            worker_leg(args.config, **kafka, environment={"STREAMTRAIN_KAFKA__GROUP_ID": "bench-e2e-warm-up"})
+        for round_, order in enumerate(alternated(names, rounds_wanted)):
             legs: dict[str, dict] = {}
-            for name in names if round_ % 2 == 0 else names[::-1]:
-                progress(f"{f'round {round_ + 1}/{args.rounds}, ' if args.rounds > 1 else ''}{name}: {LEGS[name]}")
+            for name in order:
+                progress(f"{f'round {round_ + 1}/{rounds_wanted}, ' if rounds_wanted > 1 else ''}{name}: {LEGS[name]}")
                 if name == "worker":  # a group of its own each round, or it would resume where the last one stopped
                     group = {"STREAMTRAIN_KAFKA__GROUP_ID": f"bench-e2e-{round_}"}
                     legs[name] = worker_leg(args.config, **kafka, environment=group)
@@ -132,6 +159,7 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
             models[model] = {"events_per_second": rate, "over_dlrm": rate / rounds[0]["worker"]["events_per_second"]}
             progress(f"  {rate:,.0f} events/s, {models[model]['over_dlrm']:.2f} of DLRM's")
     per_round = [ratios(legs) for legs in rounds]
+    medians = {key: _median([r[key] for r in per_round]) for key in RATIOS}
     return {
         "benchmark": "e2e",
         "machine": machine(),
@@ -143,8 +171,11 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
         "warm_up_seconds": warm_up,
         "legs": rounds[0],
         # With several rounds, each ratio is the median of the rounds'; "legs" is the first round.
-        **{key: _median([r[key] for r in per_round]) for key in RATIOS},
+        **medians,
+        # and how far the rounds' ratios spread around it
+        "spread": {key: spread([r[key] for r in per_round]) for key, median in medians.items() if median is not None},
         "rounds": per_round,
+        "warm_up_leg": bool(args.warm_up_leg and not args.quick),
         **({"models": models} if models else {}),
         "loadavg": {"before": load_before, "after": loadavg()},
     }
@@ -181,6 +212,12 @@ def ratios(legs: dict[str, dict]) -> dict:
     }
 
 
+def _spread(result: dict, key: str) -> str:
+    """A ratio's spread over the rounds, where the result saved one."""
+    figures = result.get("spread", {}).get(key)
+    return f"   {spread_text(figures)}" if figures else ""
+
+
 def _median(values: list[float | None]) -> float | None:
     known = [v for v in values if v is not None]
     return float(np.median(known)) if len(known) == len(values) else None
@@ -209,8 +246,9 @@ def worker_leg(
     profile: bool = False,
     broker_pid: int | None = None,
     environment: dict[str, str] | None = None,
+    ranks: int = WORLD_SIZE,
 ) -> dict:
-    """``streamtrain worker --nproc 2 --until-end`` on the topic; its run record gives the rate.
+    """``streamtrain worker --nproc RANKS --until-end`` on the topic; its run record gives the rate.
     ``environment`` overrides the worker's (config fields as STREAMTRAIN_SECTION__FIELD)."""
     from streamtrain.bench.common import wait_until_training
     from streamtrain.dev.kafka import free_port
@@ -228,7 +266,7 @@ def worker_leg(
                     "--config",
                     str(config),
                     "--nproc",
-                    str(WORLD_SIZE),
+                    str(ranks),
                     "--until-end",
                 ],
                 cwd=CHECKOUT,
@@ -572,6 +610,7 @@ def table(result: dict) -> str:
         if result.get(key):
             lines.append(
                 f"  worker / {baseline} = {result[key]:.2f}   (goal >= {goal:g}: {_verdict(result[key] >= goal)})"
+                + _spread(result, key)
             )
     for model, figures in result.get("models", {}).items():
         lines.append(
@@ -628,6 +667,11 @@ def markdown(result: dict) -> str:
                 for r in result["rounds"]
             )
             + "."
+            + "".join(
+                f" {label}: {spread_text(result['spread'][key])}."
+                for key, label in (("worker_over_naive", "Worker ÷ naive"), ("worker_over_limit", "worker ÷ limit"))
+                if key in result.get("spread", {})
+            )
         )
     for model, figures in result.get("models", {}).items():
         rows.append(
@@ -665,6 +709,7 @@ def cpu_lines(result: dict) -> list[str]:
         lines.append(
             f"  CPU per event, worker / limit = {ratio:.2f}   "
             f"(goal <= {CPU_RATIO_GOAL:g}: {_verdict(ratio <= CPU_RATIO_GOAL)})"
+            + _spread(result, "cpu_per_event_ratio")
         )
     worker = legs.get("worker", {}).get("cpu")
     if worker:

@@ -112,17 +112,28 @@ def _e2e(
         if value is None:
             return None
         met = (at_least is None or value >= at_least) and (at_most is None or value <= at_most)
-        rounds = r.get("rounds") or []
-        spread = f", rounds {min(x[key] for x in rounds):.2f}-{max(x[key] for x in rounds):.2f}" if rounds else ""
-        return f"**{value:.2f}** {_goal(goal, met)}{spread}"
+        return f"**{value:.2f}** {_goal(goal, met)}{_spread(r, key)}"
 
     return read
+
+
+def _spread(r: dict, key: str) -> str:
+    """How far a median ratio's rounds spread: the result's saved spread (``spread[key]``, or
+    ``<key>_spread``); for older results of several rounds, their range."""
+    saved = r.get("spread", {}).get(key) or r.get(f"{key}_spread")
+    if saved and saved.get("rounds", 0) > 1:
+        return (
+            f", {saved['rounds']} rounds {saved['min']:.2f}-{saved['max']:.2f} "
+            f"(IQR {saved['q25']:.2f}-{saved['q75']:.2f})"
+        )
+    rounds = [x[key] for x in r.get("rounds") or [] if isinstance(x, dict) and x.get(key) is not None]
+    return f", rounds {min(rounds):.2f}-{max(rounds):.2f}" if rounds else ""
 
 
 def _ratio(key: str, goal: str, at_least: float) -> Callable[[dict], str | None]:
     def read(r: dict) -> str | None:
         value = r.get(key)
-        return None if value is None else f"**{value:.2f}** {_goal(goal, value >= at_least)}"
+        return None if value is None else f"**{value:.2f}** {_goal(goal, value >= at_least)}{_spread(r, key)}"
 
     return read
 

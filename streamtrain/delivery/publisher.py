@@ -1,23 +1,25 @@
 """Model delivery in the worker: deltas of the touched rows, cut between steps, and servable bases.
 
-A delta is a consistent cut, like a snapshot. Every rank collects the ids its trained batches
-looked up (``TouchedIds``). When a delta is due, the ranks agree on the step through the
-lockstep's vote; at that step each rank all-gathers the touched ids on a gloo group of its own and
-copies the current rows of its own shards for them (``local_rows``), rank 0 also every dense
-parameter. That copy is all the training thread does. A background thread on every rank then
-gathers the copies to rank 0 on another gloo group, and rank 0 encodes them
+A delta is a consistent cut, like a snapshot. Every rank flags the rows its trained batches
+looked up (``TouchedRows``). When a delta is due, the ranks agree on the step through the
+lockstep's vote; at that step each rank takes its flagged rows, all-gathers them on a gloo group of
+its own, and copies the current values of the rows of its own shards among them (``local_rows``:
+one index_select per shard), rank 0 also every dense parameter. That copy is all the training
+thread does; on a GPU it does not even wait for it, since the copy is queued before the next
+step's kernels. A background thread on every rank then takes the copies as they land on the host,
+gathers them to rank 0 on another gloo group, and rank 0 encodes them
 (``streamtrain.delivery.deltas``) and delivers them to the delta topic or directory. One delta is
 in flight at a time: the next is cut only at a step every rank agrees the last is done.
 
 A delivery that fails is counted and retried with the same chunks, the wait doubling up to
 ``RETRY_MAX_SECONDS``, while training goes on. Duplicates are harmless: the reader assembles each
 part once, and the delta is stamped with its publication time once, at the cut, so the chunks a
-failed attempt left on the topic belong to the same delta as the retry's. Meanwhile no new delta
-is cut, and the touched ids keep accumulating, compacted, so the backlog is at most one id per
-table row plus the one delta in flight; once the target takes the retried delta, the next
-carries every row touched meanwhile. A delta still undelivered at a graceful stop is given up
-after a bounded wait and counted: its sequence number is then missing, which the server handles
-by reloading the newest base (the worker publishes one at the stop).
+failed attempt left on the topic belong to the same delta as the retry's. Meanwhile no new delta is
+cut, and the rows touched keep being flagged, so the backlog is at most a flag per table row plus
+the one delta in flight; once the target takes the retried delta, the next carries every row
+touched meanwhile. A delta still undelivered at a graceful stop is given up after a bounded wait
+and counted: its sequence number is then missing, which the server handles by reloading the newest
+base (the worker publishes one at the stop).
 
 Bases come from ``streamtrain export``, run by rank 0 as a background process, never on the
 training thread: one at start (``--new-chain``: every start begins a chain), one every
@@ -78,49 +80,53 @@ EXPORT_NICENESS = 10
 RESERVED = "reserved-version"
 
 
-class TouchedIds:
-    """The row ids each table was looked up with since the last ``take()``, from the trained
-    batches' KJTs (the decoder has already mapped them to rows). Adding a batch only keeps views of
-    its values; once ``compact_at`` ids are held they are reduced to the unique ones, so the memory
-    is bounded by the tables' rows however long a delta waits.
+class TouchedRows:
+    """The rows of each table that the trained batches looked up since the last ``take()``: a flag
+    (a byte) per row. The batches' KJTs hold rows already (the decoder hashes or reduces each id,
+    and the id space maps a managed table's ids before the batch trains), so a step sets its rows'
+    flags with one vectorised store per feature, and a take is one scan of the flags: its rows come
+    out sorted and unique without a sort, which on a second's worth of ids cost the training thread
+    far more than the step. The memory is one byte per table row (a sixty-fourth of a table of
+    16 floats), however long a delta waits.
 
     ``table_of`` maps a KJT key (a feature) to the table it looks up, where that is not its own:
     a feature sharing another's table (``shares_table_with``) touches the owner's rows."""
 
-    def __init__(self, tables: Sequence[str], table_of: Mapping[str, str] | None = None, compact_at: int = 1 << 22):
-        self.tables = list(tables)
+    def __init__(self, rows: Mapping[str, int], table_of: Mapping[str, str] | None = None):
+        """``rows``: each table's row count."""
+        self.flags = {table: np.zeros(count, dtype=np.bool_) for table, count in rows.items()}
         self.table_of = dict(table_of or {})
-        self.compact_at = compact_at
-        self.pending: dict[str, list[torch.Tensor]] = {t: [] for t in self.tables}
-        self.held = 0
+        self.added = False
 
     def add(self, features: KeyedJaggedTensor) -> None:
-        lengths = features.length_per_key()
-        for key, ids in zip(features.keys(), features.values().split(lengths), strict=True):
-            if ids.numel():
-                self.pending[self.table_of.get(key, key)].append(ids)
-        self.held += sum(lengths)
-        if self.held >= self.compact_at:
-            self.held = 0
-            for table, parts in self.pending.items():
-                if parts:
-                    unique = torch.unique(torch.cat(parts))
-                    self.pending[table] = [unique]
-                    self.held += unique.numel()
+        values = features.values().cpu().numpy()
+        offsets = features.offset_per_key()
+        for key, start, end in zip(features.keys(), offsets, offsets[1:], strict=False):
+            if end > start:
+                self.flags[self.table_of.get(key, key)][values[start:end]] = True
+                self.added = True
 
     def __bool__(self) -> bool:
-        """Whether any id was added since the last take."""
-        return any(self.pending.values())
+        """Whether any row was added since the last take."""
+        return self.added
 
     def take(self) -> dict[str, np.ndarray]:
-        """Each table's unique ids since the last take, sorted, as int64."""
-        taken = {
-            table: torch.unique(torch.cat(parts)).to(torch.int64).numpy() if parts else np.empty(0, np.int64)
-            for table, parts in self.pending.items()
-        }
-        self.pending = {t: [] for t in self.tables}
-        self.held = 0
+        """Each table's rows since the last take, sorted, unique, as int64; every flag is then clear."""
+        taken = {}
+        for table, flags in self.flags.items():
+            rows = np.flatnonzero(flags).astype(np.int64, copy=False)
+            flags[rows] = False
+            taken[table] = rows
+        self.added = False
         return taken
+
+    def union(self, taken: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+        """The rows of every table in any of ``taken`` (several ranks' takes), sorted and unique.
+        Call it right after ``take()``: it sets and takes the flags again."""
+        for rows in taken:
+            for table, theirs in rows.items():
+                self.flags[table][theirs] = True
+        return self.take()
 
 
 def table_keys(state: dict[str, Any], plan: ShardingPlan) -> dict[str, str]:
@@ -134,13 +140,33 @@ def table_keys(state: dict[str, Any], plan: ShardingPlan) -> dict[str, str]:
     return keys
 
 
-def local_rows(state: dict[str, Any], plan: ShardingPlan, rank: int, ids: dict[str, np.ndarray]) -> list[RowPiece]:
-    """Copies of the rows ``ids`` of every table, as far as this rank holds them: the columns of
-    its own shards (table-wise: the whole table; column-wise: its column slices), and on rank 0
-    every row of the replicated (data-parallel) tables. ``state`` is the DMP's state dict: its sharded tables are
-    DTensors over the fused kernel's own weights, so they hold the optimizer's latest update. The
-    shards' offsets come from the plan; DTensor's own local offsets are not reliable for these."""
-    pieces = []
+@dataclass(frozen=True)
+class RowCopy:
+    """Columns ``[column, column + values.shape[1])`` of rows ``ids`` of ``table``, copied at a cut:
+    on the host, or on a GPU on their way there (``_Cut.copied`` marks their arrival)."""
+
+    table: str
+    ids: np.ndarray  # int64 [n]
+    column: int
+    values: torch.Tensor  # float32 [n, width]
+
+
+@dataclass(frozen=True)
+class DenseCopy:
+    """A dense parameter, named as in the model's state dict, copied at a cut like ``RowCopy``."""
+
+    name: str
+    values: torch.Tensor  # float32, the parameter's shape
+
+
+def local_rows(state: dict[str, Any], plan: ShardingPlan, rank: int, ids: dict[str, np.ndarray]) -> list[RowCopy]:
+    """Copies of the rows ``ids`` (sorted) of every table, as far as this rank holds them: the
+    columns of its own shards (table-wise: the whole table; column-wise: its column slices), and on
+    rank 0 every row of the replicated (data-parallel) tables. ``state`` is the DMP's state dict:
+    its sharded tables are DTensors over the fused kernel's own weights, so they hold the
+    optimizer's latest update. The shards' offsets come from the plan; DTensor's own local offsets
+    are not reliable for these."""
+    copies = []
     # Where each table's collection sits in the model, whatever its architecture.
     collection_of = {table: path for path, tables in plan.plan.items() for table in tables}
     keys = table_keys(state, plan)
@@ -152,32 +178,35 @@ def local_rows(state: dict[str, Any], plan: ShardingPlan, rank: int, ids: dict[s
             # optimizer, whose momentum moves rows no batch looked up. The planner replicates only
             # small tables, so every delta carries the whole table.
             if rank == 0:
-                every = np.arange(weight.shape[0], dtype=np.int64)
-                pieces.append(RowPiece(table, every, 0, _rows(weight, torch.from_numpy(every))))
-            continue
-        if not len(wanted):
+                copies.append(RowCopy(table, np.arange(weight.shape[0], dtype=np.int64), 0, _copied(weight)))
             continue
         mine = [shard for shard in spec.shards if shard.placement is not None and shard.placement.rank() == rank]
-        if not mine:
+        if not len(wanted) or not mine:
             continue
         for meta, local in zip(mine, weight.to_local().local_shards(), strict=True):
             first_row, column = meta.shard_offsets
-            inside = wanted[(wanted >= first_row) & (wanted < first_row + meta.shard_sizes[0])]
-            if len(inside):
-                pieces.append(RowPiece(table, inside, column, _rows(local, torch.from_numpy(inside - first_row))))
-    return pieces
+            start, stop = np.searchsorted(wanted, [first_row, first_row + meta.shard_sizes[0]])
+            if stop > start:
+                inside = wanted[start:stop]
+                index = torch.from_numpy(inside - first_row).to(local.device)
+                values = _copied(local.detach().index_select(0, index), fresh=True)
+                copies.append(RowCopy(table, inside, column, values))
+    return copies
 
 
-def _rows(weight: torch.Tensor, ids: torch.Tensor) -> np.ndarray:
-    # index_select copies: the cut stays as it is while training moves the weights on.
-    return weight.detach().index_select(0, ids.to(weight.device)).to("cpu", torch.float32).numpy()
+def _copied(values: torch.Tensor, fresh: bool = False) -> torch.Tensor:
+    """``values`` as float32 on the host, a copy (``fresh``: ``values`` is one already, which the
+    host may keep): the cut stays as it is while training moves the weights on. From a GPU the copy
+    is not waited for: it lands in pinned memory, queued after the step's kernels and before the
+    next step's, so it holds the values of the cut; the cut's event marks its arrival."""
+    return values.detach().to("cpu", torch.float32, non_blocking=True, copy=not fresh)
 
 
-def dense_pieces(state: dict[str, Any], plan: ShardingPlan) -> list[DensePiece]:
+def dense_copies(state: dict[str, Any], plan: ShardingPlan) -> list[DenseCopy]:
     """A copy of every dense parameter, named as in the model's state dict (replicated on all ranks)."""
     tables = set(table_keys(state, plan).values())
     return [
-        DensePiece(name, tuple(value.shape), 0, value.detach().to("cpu", torch.float32, copy=True).numpy().reshape(-1))
+        DenseCopy(name, _copied(value))
         for name, value in state.items()
         if name not in tables and isinstance(value, torch.Tensor) and value.is_floating_point()
     ]
@@ -365,7 +394,8 @@ def id_pieces(id_space: IdSpace, touched: dict[str, np.ndarray], since_step: int
             continue
         if len(evicted):
             pieces.append(IdPiece(table, evicted.rows.numpy(), evicted.ids.numpy(), evicted=True))
-        carried = np.isin(live_rows, touched.get(table, np.empty(0, np.int64)))
+        # A table of the rows' range, not a sort: both sides are up to a table's rows.
+        carried = np.isin(live_rows, touched.get(table, np.empty(0, np.int64)), kind="table")
         if carried.any():
             pieces.append(IdPiece(table, live_rows[carried], raw_ids[carried]))
     return pieces
@@ -373,11 +403,22 @@ def id_pieces(id_space: IdSpace, touched: dict[str, np.ndarray], since_step: int
 
 @dataclass
 class _Cut:
+    """What the training thread copied at a cut; the publisher's thread makes the delta of it."""
+
     id: DeltaId
-    rows: list[RowPiece]
-    dense: list[DensePiece]
+    rows: list[RowCopy]
+    dense: list[DenseCopy]
     ids: list[IdPiece]
     cut_at: float
+    copied: torch.cuda.Event | None = None  # recorded after the copies from a GPU were queued
+
+    def pieces(self) -> tuple[list[RowPiece], list[DensePiece]]:
+        """The copies as the delta's pieces, once they are on the host."""
+        if self.copied is not None:
+            self.copied.synchronize()
+        rows = [RowPiece(c.table, c.ids, c.column, c.values.numpy()) for c in self.rows]
+        dense = [DensePiece(c.name, tuple(c.values.shape), 0, c.values.numpy().reshape(-1)) for c in self.dense]
+        return rows, dense
 
 
 class BaseExports:
@@ -553,8 +594,8 @@ class Publisher:
         # The id-space step of the previous delta's cut (or of the start's base): evictions since it go out.
         self.id_space_step = id_space.step if id_space is not None else 0
         features = config.features
-        self.touched = TouchedIds(
-            [t.name for t in features.owned_tables()],
+        self.touched = TouchedRows(
+            {t.name: t.num_embeddings for t in features.owned_tables()},
             {t.name: t.shares_table_with for t in features.tables if t.shares_table_with is not None},
         )
         self.last_cut_at = clock()
@@ -650,11 +691,15 @@ class Publisher:
         if self.world_size > 1:
             gathered: list[Any] = [None] * self.world_size
             dist.all_gather_object(gathered, (ids, high_water), group=self.cut_group)
-            ids = {table: np.unique(np.concatenate([theirs[table] for theirs, _ in gathered])) for table in ids}
+            ids = self.touched.union([theirs for theirs, _ in gathered])
             high_water = max(theirs for _, theirs in gathered)
         state = self.model.state_dict()
         rows = local_rows(state, self.plan, self.rank, ids)
-        dense = dense_pieces(state, self.plan) if self.rank == 0 else []
+        dense = dense_copies(state, self.plan) if self.rank == 0 else []
+        copied = None
+        if torch.cuda.is_initialized():  # the copies from a GPU are on their way
+            copied = torch.cuda.Event()
+            copied.record()
         # Each rank sends the map of the buckets it owns, beside the rows it holds.
         mapped = []
         if self.id_space is not None:
@@ -673,7 +718,7 @@ class Publisher:
         self.steps_due_at = None
         self.in_flight = True
         self.done.clear()
-        self.cuts.put(_Cut(delta_id, rows, dense, mapped, time.monotonic()))  # room: one delta in flight
+        self.cuts.put(_Cut(delta_id, rows, dense, mapped, time.monotonic(), copied))  # room: one delta in flight
         if self.metrics:
             self.metrics.delta_cut_seconds.observe(time.perf_counter() - started)
 
@@ -696,14 +741,15 @@ class Publisher:
 
     def _gathered(self, cut: _Cut) -> Delta | None:
         """Rank 0: the whole delta, every rank's rows and id maps in it; other ranks: None."""
+        rows, dense = cut.pieces()
         if self.world_size == 1:
-            return Delta(cut.id, cut.rows, cut.dense, cut.ids)
+            return Delta(cut.id, rows, dense, cut.ids)
         parts: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object((cut.rows, cut.ids), parts, dst=0, group=self.send_group)
+        dist.gather_object((rows, cut.ids), parts, dst=0, group=self.send_group)
         if parts is None:
             return None
         rows = [piece for theirs, _ in parts for piece in theirs]
-        return Delta(cut.id, rows, cut.dense, [piece for _, theirs in parts for piece in theirs])
+        return Delta(cut.id, rows, dense, [piece for _, theirs in parts for piece in theirs])
 
     def _deliver(self, delta: Delta, cut_at: float) -> None:
         assert self.target is not None
