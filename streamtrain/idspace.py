@@ -63,6 +63,7 @@ each id's row and flags. A large step's lookups and sketch counts go to the rank
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections import deque
@@ -100,6 +101,8 @@ from streamtrain.idstep import (
 )
 from streamtrain.metrics import IdSpaceMetrics
 from streamtrain.threads import IDMAP, Slices
+
+log = logging.getLogger(__name__)
 
 _SKETCH_MIN_WIDTH = 1024
 # Steps are kept modulo 2^32 (uint32) and compared as ages, step - last_step modulo 2^32, which are
@@ -943,6 +946,19 @@ class _Shard:
     col_offset: int
 
 
+@dataclass(frozen=True)
+class _HostShards:
+    """A table's shards on this rank as the reset kernel takes them: numpy views of the weights and
+    of each optimizer state (as [rows, values a row]), their offsets, and each state's shard (-1
+    for the stand-in a stateless optimizer passes)."""
+
+    weights: tuple[np.ndarray, ...]
+    row_offsets: np.ndarray
+    col_offsets: np.ndarray
+    states: tuple[np.ndarray, ...]
+    state_shards: np.ndarray
+
+
 class RowResetter:
     """Starts rows fresh in a sharded model: weights re-initialised, optimizer state zeroed, on
     each shard this rank holds.
@@ -950,7 +966,13 @@ class RowResetter:
     It writes into fbgemm's table-batched kernels (``split_embedding_weights`` and
     ``split_optimizer_states`` are views), where ``fbgemm::reset_weight_momentum`` would on a GPU;
     it has no CPU kernel. The new weights are drawn from a generator seeded by the table and the
-    step, and cut to each shard, so every sharding gives a row the same values."""
+    step (``fresh_weights``), and cut to each shard, so every sharding gives a row the same values.
+
+    On the host, a table's reset is one numba call (``_reset_rows``): it draws what torch's CPU
+    generator draws for that seed, bit for bit (MT19937, as ``torch.Generator``), and writes each
+    shard's rows in place, where the torch path takes about a dozen operator calls a shard. Shards
+    off the host (a GPU's), or a host whose torch draws otherwise (checked once), take the torch
+    path."""
 
     def __init__(self, model: nn.Module, tables: Sequence[TableConfig], seed: int):
         from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbedding, BaseBatchedEmbeddingBag
@@ -971,17 +993,39 @@ class RowResetter:
                 if shard.name in self.shards:
                     offsets = shard.local_metadata.shard_offsets if shard.local_metadata else [0, 0]
                     self.shards[shard.name].append(_Shard(weights[i], list(states[i]), offsets[0], offsets[1]))
+        self.on_host = {name: _on_host(shards) for name, shards in self.shards.items()} if _draws_like_torch() else {}
+
+    def _seed(self, table: str, step: int) -> int:
+        return ((self.seed * 1_000_003 + self.order[table]) * 1_000_000_007 + step) % 2**63
+
+    def _bound(self, table: str) -> float:
+        return math.sqrt(1.0 / self.tables[table].num_embeddings)
 
     def fresh_weights(self, table: str, rows: torch.Tensor, step: int) -> torch.Tensor:
         """The full rows (all columns) that ``reset`` writes, the same on every rank."""
-        config = self.tables[table]
-        bound = math.sqrt(1.0 / config.num_embeddings)
-        seed = ((self.seed * 1_000_003 + self.order[table]) * 1_000_000_007 + step) % 2**63
-        generator = torch.Generator().manual_seed(seed)
-        return torch.empty(int(rows.numel()), config.embedding_dim).uniform_(-bound, bound, generator=generator)
+        bound = self._bound(table)
+        generator = torch.Generator().manual_seed(self._seed(table, step))
+        return torch.empty(int(rows.numel()), self.tables[table].embedding_dim).uniform_(
+            -bound, bound, generator=generator
+        )
 
     def reset(self, table: str, rows: torch.Tensor, step: int) -> None:
-        if rows.numel() == 0:
+        """Start ``rows`` (ascending, distinct) of ``table`` fresh on this rank's shards of it."""
+        if rows.numel() == 0 or not self.shards[table]:
+            return
+        host = self.on_host.get(table)
+        if host is not None:
+            _reset_rows(
+                rows.numpy(),
+                self._seed(table, step),
+                self.tables[table].embedding_dim,
+                self._bound(table),
+                host.weights,
+                host.row_offsets,
+                host.col_offsets,
+                host.states,
+                host.state_shards,
+            )
             return
         fresh = self.fresh_weights(table, rows, step)
         with torch.no_grad():
@@ -993,6 +1037,110 @@ class RowResetter:
                 shard.weights[local] = fresh[mine][:, cols].to(shard.weights.dtype)
                 for state in shard.states:
                     state[local] = 0
+
+
+def _on_host(shards: list[_Shard]) -> _HostShards | None:
+    """``shards`` as the reset kernel takes them, or None where it cannot write them in place: off
+    the host, not float32, or not contiguous (a view numpy would have to copy)."""
+    tensors = [shard.weights for shard in shards] + [state for shard in shards for state in shard.states]
+    if not shards or any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        return None
+    states = [(at, state) for at, shard in enumerate(shards) for state in shard.states]
+    return _HostShards(
+        weights=tuple(shard.weights.detach().numpy() for shard in shards),
+        row_offsets=np.array([shard.row_offset for shard in shards], dtype=np.int64),
+        col_offsets=np.array([shard.col_offset for shard in shards], dtype=np.int64),
+        # a stateless optimizer passes one empty stand-in, so the kernel's types stay the same
+        states=tuple(state.detach().numpy().reshape(state.shape[0], -1) for _at, state in states)
+        or (np.zeros((0, 1), dtype=np.float32),),
+        state_shards=np.array([at for at, _state in states] or [-1], dtype=np.int64),
+    )
+
+
+_MT_WORDS, _MT_SHIFT = 624, 397  # MT19937's state and its twist's offset
+_LOW_31, _HIGH_1 = np.uint64(0x7FFFFFFF), np.uint64(0x80000000)
+_U32 = np.uint64(0xFFFFFFFF)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _torch_uniform(seed: int, count: int, bound: float) -> np.ndarray:
+    """What ``torch.empty(count).uniform_(-bound, bound, generator=torch.Generator().manual_seed(seed))``
+    draws, bit for bit: torch's CPU generator is MT19937 seeded with the seed's low 32 bits, and a
+    float takes one 32-bit draw's low 24 bits as x in [0, 1), then x * (to - from) + from with one
+    rounding (a fused multiply-add; in float64 it is exact, so rounding that once to float32 gives
+    the same)."""
+    state = np.empty(_MT_WORDS, dtype=np.uint64)
+    state[0] = np.uint64(seed) & _U32
+    for i in range(1, _MT_WORDS):
+        previous = state[i - 1]
+        state[i] = (np.uint64(1812433253) * (previous ^ (previous >> np.uint64(30))) + np.uint64(i)) & _U32
+    low, high = np.float32(-bound), np.float32(bound)
+    span, start = np.float64(high - low), np.float64(low)
+    out = np.empty(count, dtype=np.float32)
+    at = _MT_WORDS
+    for k in range(count):
+        if at == _MT_WORDS:
+            for i in range(_MT_WORDS):
+                y = (state[i] & _HIGH_1) | (state[(i + 1) % _MT_WORDS] & _LOW_31)
+                twisted = state[(i + _MT_SHIFT) % _MT_WORDS] ^ (y >> np.uint64(1))
+                state[i] = twisted ^ np.uint64(0x9908B0DF) if y & np.uint64(1) else twisted
+            at = 0
+        y = state[at]
+        at += 1
+        y ^= y >> np.uint64(11)
+        y ^= (y << np.uint64(7)) & np.uint64(0x9D2C5680)
+        y ^= (y << np.uint64(15)) & np.uint64(0xEFC60000)
+        y ^= y >> np.uint64(18)
+        x = np.float64(y & np.uint64(0xFFFFFF)) / 16777216.0
+        out[k] = np.float32(x * span + start)
+    return out
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _reset_rows(
+    rows: np.ndarray,
+    seed: int,
+    dim: int,
+    bound: float,
+    weights: tuple[np.ndarray, ...],
+    row_offsets: np.ndarray,
+    col_offsets: np.ndarray,
+    states: tuple[np.ndarray, ...],
+    state_shards: np.ndarray,
+) -> None:
+    """``RowResetter.reset`` of one table on the host: the fresh rows drawn as torch draws them,
+    each shard's part of them written, and its optimizer states' rows zeroed."""
+    fresh = _torch_uniform(seed, rows.shape[0] * dim, bound)
+    for s in range(len(weights)):
+        shard = weights[s]
+        for r in range(rows.shape[0]):
+            local = rows[r] - row_offsets[s]
+            if 0 <= local < shard.shape[0]:
+                shard[local, :] = fresh[r * dim + col_offsets[s] : r * dim + col_offsets[s] + shard.shape[1]]
+    for t in range(len(states)):
+        s = state_shards[t]
+        if s < 0:
+            continue
+        state = states[t]
+        for r in range(rows.shape[0]):
+            local = rows[r] - row_offsets[s]
+            if 0 <= local < state.shape[0]:
+                state[local, :] = 0
+
+
+_CHECKED_DRAW: list[bool] = []
+
+
+def _draws_like_torch() -> bool:
+    """Whether ``_torch_uniform`` draws what this torch draws (checked once a process): the host
+    reset kernel is used only then."""
+    if not _CHECKED_DRAW:
+        seed, count, bound = 2**62 + 12_345, 700, math.sqrt(1 / 1_000_003)  # past one twist of the state
+        expected = torch.empty(count).uniform_(-bound, bound, generator=torch.Generator().manual_seed(seed))
+        _CHECKED_DRAW.append(bool(np.array_equal(_torch_uniform(seed, count, bound), expected.numpy())))
+        if not _CHECKED_DRAW[0]:
+            log.warning("this torch draws other uniform weights than MT19937 gives: fresh rows reset through torch")
+    return _CHECKED_DRAW[0]
 
 
 def _kernels(model: nn.Module, kind: type[nn.Module] | tuple[type[nn.Module], ...]) -> list[nn.Module]:

@@ -542,6 +542,33 @@ def test_a_step_exchanges_ids_in_two_all_to_alls_and_one_that_outgrows_the_slot_
     assert_same_state(merged([r["map"] for r in results]), mapping.state_dict())
 
 
+@pytest.mark.parametrize("optimizer", ["row_wise_adagrad", "adagrad", "sgd"])
+def test_fresh_rows_reset_on_the_host_in_one_call_are_the_torch_paths_bit_for_bit(optimizer):
+    """The host reset kernel draws what torch's generator draws for the table and step, and writes
+    it and the zeroed optimizer state where the torch path writes them, in every shard (user_id
+    column_wise), leaving the other rows as they were."""
+    config = parse_config(managed_raw(optimizer, {"user_id": "column_wise"}), environ={})
+    trainer = Trainer(config, init_distributed())
+    list(trainer.train(iter(rank_batches(AvroBatchDecoder(config.features), 0, 1, global_batches(3)))))
+    assert trainer.id_space is not None and trainer.id_space.resetter is not None
+    resetter = trainer.id_space.resetter
+    host = dict(resetter.on_host)
+    assert all(host[name] is not None for name in ROWS), "a CPU table took the torch path"
+    tensors = {name: [t for s in resetter.shards[name] for t in (s.weights, *s.states)] for name in ROWS}
+    trained = {name: [t.clone() for t in ts] for name, ts in tensors.items()}
+    for name, rows in ROWS.items():
+        fresh = torch.tensor([0, 3, 64, 65, rows - 2])  # the unknown row (rows - 1) is never reset
+        by_path = []
+        for path in (host, {}):
+            for tensor, before in zip(tensors[name], trained[name], strict=True):
+                tensor.copy_(before)
+            resetter.on_host = path
+            resetter.reset(name, fresh, step=1_000_003)
+            by_path.append([t.clone() for t in tensors[name]])
+        assert all(torch.equal(a, b) for a, b in zip(*by_path, strict=True)), name
+        assert any(not torch.equal(a, b) for a, b in zip(by_path[0], trained[name], strict=True)), name
+
+
 def merged(states: list[dict]) -> dict:
     """The whole map from each rank's: the buckets of every rank, side by side."""
     whole: dict = {"step": states[0]["step"]}
