@@ -40,10 +40,33 @@ How it stays right:
     before the forward pass of the batch that first uses it, not when the batch is mapped: the
     batches already in the pipeline may still train the row's old id.
   - **Exactly-once.** The pipeline maps batches ahead of training, so the map is up to two steps
-    ahead of the weights. Each step records what it overwrote (its ``Undo``: the rows it wrote
-    and their old values, the low bits a halving dropped), held while its batch is in flight;
-    the map at the cut, which snapshots and deltas read, is a copy of the arrays with those
-    steps undone, made only when they ask. A restore maps the re-read batches again from it.
+    ahead of the weights (three when mapped ahead, below). Each step records what it overwrote
+    (its ``Undo``: the rows it wrote and their old values, the low bits a halving dropped), held
+    while its batch is in flight; the map at the cut, which snapshots and deltas read, is a copy of
+    the arrays with those steps undone, made only when they ask. A restore maps the re-read
+    batches again from it.
+  - **Mapped one batch ahead** (``IdSpace.ahead``, ``batching.map_ahead``; on by default with
+    cuda). Batch N+1 is mapped on a thread of the id space's own while batch N trains, so the map's
+    work and its exchange's waits leave the training thread. Nothing above changes, for the map is
+    a function of the global steps alone, whenever it runs:
+      - a row evicted for N+1 may be one that N reads: N trains it as its old id's row, and the
+        reset comes before N+1's forward pass, so the new id starts fresh and the old id's last
+        update goes with the old id (it was evicted); the cut after N (N+1 undone) holds the old
+        id there, with N's update in the weights. This is what the pipeline's own lookahead
+        already does, one batch deeper;
+      - the cut: a lock covers each step's update of the map together with its place in flight,
+        and the cut's readers (``state_dict``, ``raw_ids``, ``evicted_since``, ``step``), and is
+        never held across a collective. The cut (the map less the steps in flight) changes only
+        when a batch has trained, on the training thread, so the snapshot's cut and the delta's,
+        both read on that thread between two steps, are one map;
+      - the exchange: the id space's collectives run on its own gloo group, apart from the training
+        step's, and on one thread at a time (the mapper's while it lives: the gather of the last
+        step's fresh rows is handed to it), so every rank makes them in one order. No rank waits
+        on a map its peers have not started: a rank hands batch N to its mapper when it takes
+        batch N-1 for the pipeline, and waits for N's map one pipeline step later, past that
+        step's collectives, which its peers reach only after they took N-1 too;
+      - a paused stream needs one more empty step to train its last real batch
+        (``Trainer.lookahead``, which the lockstep counts).
 
 Memory: each rank's buckets' share of the map, made at full size. Per row, the raw id (int64) and whether it is in
 use (bool), plus only what the policy reads: the step last seen (uint32, as an age modulo 2^32) for
@@ -65,9 +88,11 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -100,7 +125,7 @@ from streamtrain.idstep import (
     split_hits,
 )
 from streamtrain.metrics import IdSpaceMetrics
-from streamtrain.threads import IDMAP, Slices
+from streamtrain.threads import IDAHEAD, IDMAP, Slices, name_this_thread
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +139,8 @@ _STEP_MASK = (1 << 32) - 1
 _EVICTION_LOG_STEPS = 10_000
 # The fewest ids a helper thread takes: below it, handing a slice over costs about what it saves.
 MIN_SLICE_IDS = 8_192
+# Batches ``IdSpace.ahead`` takes ahead of those it hands on: one is mapped while the trainer trains.
+MAPPED_AHEAD = 1
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -633,7 +660,15 @@ class IdSpace:
     """The managed tables' id space on one rank: maps each step's batch (``translate``), resets
     the rows it gave away before that batch trains (``before_forward``), and gives the map at the
     cut (the map less the steps of the batches still in flight) to snapshots and deltas. Every rank
-    calls each method at the same step."""
+    calls each method at the same step.
+
+    ``ahead`` maps each batch on a thread of its own while the caller trains the batches before it.
+    The cut's readers and the mapper meet at ``lock``, which covers a step's update of the map
+    together with its place in flight, and is never held across a collective: the cut (the map
+    less the steps in flight) changes only when a batch has trained, on the training thread, so a
+    snapshot and a delta cut taken between two steps read one map, whatever the mapper is doing.
+    Every collective of the id space (its own gloo group's) is made on one thread at a time: the
+    mapper's while it lives, so every rank makes them in the same order."""
 
     def __init__(
         self,
@@ -658,8 +693,10 @@ class IdSpace:
             t.name: np.repeat(ranks, [len(owned_buckets(t, r, world_size)) for r in range(world_size)])
             for t in self.tables
         }
+        self.lock = threading.Lock()  # over the map, in_flight and the eviction log (``ahead``)
         self.in_flight: deque[_Mapped] = deque()  # mapped, not yet trained: the cut undoes them
         self.to_reset: deque[_Mapped] = deque()  # mapped, forward pass not yet started
+        self.mapper: ThreadPoolExecutor | None = None  # while ``ahead`` maps on a thread of its own
         # The newest step (``awaiting_fresh``) whose fresh rows are not yet gathered, and those of
         # them this rank's own ids took (``unsent_fresh``), which the next exchange carries.
         self.awaiting_fresh: _Mapped | None = None
@@ -674,6 +711,29 @@ class IdSpace:
                 metrics.rows.labels(name).set(table.capacity)
 
     # --- the stage -------------------------------------------------------------------------
+    def ahead(self, batches: Iterator[ClickBatch]) -> Iterator[ClickBatch]:
+        """``batches`` translated, each mapped on a thread of the id space's own (``st-idahead``)
+        while the caller trains the batches before it, so that the map's work and its exchange's
+        waits overlap the training step. Batches are taken from ``batches`` on the caller's thread,
+        in order, one ahead of those handed on (``MAPPED_AHEAD``: a paused stream needs one more
+        empty step to train the last real batch); the cut leaves the one mapped ahead out, like any
+        batch in flight, until it has trained."""
+        with ThreadPoolExecutor(
+            1, thread_name_prefix=IDAHEAD, initializer=name_this_thread, initargs=(IDAHEAD,)
+        ) as mapper:
+            self.mapper = mapper
+            try:
+                mapping: Future[ClickBatch] | None = None
+                for batch in batches:
+                    upcoming = mapper.submit(self.translate, batch)
+                    if mapping is not None:
+                        yield mapping.result()
+                    mapping = upcoming
+                if mapping is not None:
+                    yield mapping.result()
+            finally:
+                self.mapper = None
+
     def translate(self, batch: ClickBatch) -> ClickBatch:
         """``batch`` with its managed tables' raw ids replaced by rows: each id is sent to the rank
         that owns its bucket, mapped there, and its row sent back."""
@@ -705,20 +765,31 @@ class IdSpace:
         """Map one step: ``own``, this rank's raw ids per managed table, whose newest event is at
         ``newest``; their rows, in order. The step joins those in flight."""
         if self.world_size == 1:
-            steps = self.mapping.update(own, newest)
+            mapped = self._update(own, newest)
+            steps = mapped.steps
             rows = {name: step.rows for name, step in steps.items()}
-            mapped = _Mapped(steps, self.mapping.step, {n: torch.sort(s.assigned).values for n, s in steps.items()})
+            mapped.fresh = {n: torch.sort(s.assigned).values for n, s in steps.items()}
         else:
             exchange = _Exchange(self, own, newest, self.unsent_fresh)
             self._gathered(exchange.fresh)
-            steps = self.mapping.update(exchange.received, exchange.now_ms, exchange.counts)
+            mapped = self._update(exchange.received, exchange.now_ms, exchange.counts)
+            steps = mapped.steps
             rows, self.unsent_fresh = exchange.back(steps)
-            mapped = self.awaiting_fresh = _Mapped(steps, self.mapping.step)
-        self.in_flight.append(mapped)
+            self.awaiting_fresh = mapped
         self.to_reset.append(mapped)
         for name, step in steps.items():
             self._count(name, step, rows[name])
         return rows
+
+    def _update(
+        self, ids: dict[str, torch.Tensor], now_ms: int, counts: dict[str, torch.Tensor] | None = None
+    ) -> _Mapped:
+        """The map's update and its place in flight, together: the cut never sees one without the other."""
+        with self.lock:
+            steps = self.mapping.update(ids, now_ms, counts)
+            mapped = _Mapped(steps, self.mapping.step)
+            self.in_flight.append(mapped)
+            return mapped
 
     def before_forward(self) -> None:
         """The next batch's forward pass starts: re-initialise the rows its step gave away."""
@@ -727,12 +798,18 @@ class IdSpace:
             return
         if mapped.fresh is None:  # no step has been mapped since (the stream's last batch): gather now
             assert mapped is self.awaiting_fresh
-            no_ids = {t.name: _NO_ID_TENSOR for t in self.tables}
-            self._gathered(_Exchange(self, no_ids, 0, self.unsent_fresh).fresh)
-            self.unsent_fresh = self._no_rows()
+            mapper = self.mapper
+            # on the mapper's thread while it lives, after the exchanges it was given: one order on every rank
+            (mapper.submit(self._gather_last_fresh).result() if mapper else self._gather_last_fresh())
         assert mapped.fresh is not None
         for name, rows in mapped.fresh.items():
             self.resetter.reset(name, rows, mapped.step)
+
+    def _gather_last_fresh(self) -> None:
+        """An exchange of no ids, which carries the fresh rows of the step no later step carried."""
+        no_ids = {t.name: _NO_ID_TENSOR for t in self.tables}
+        self._gathered(_Exchange(self, no_ids, 0, self.unsent_fresh).fresh)
+        self.unsent_fresh = self._no_rows()
 
     def _gathered(self, fresh: dict[str, np.ndarray]) -> None:
         """Every rank's fresh rows of the step awaiting them (each rank's own, those its ids took)."""
@@ -745,15 +822,16 @@ class IdSpace:
 
     def trained(self) -> None:
         """The oldest batch in flight has trained: its step joins the cut."""
-        mapped = self.in_flight.popleft()
-        for name, step in mapped.steps.items():
-            log_ = self.eviction_log[name]
-            for evictions in (step.evicted, step.expired):
-                if len(evictions):
-                    log_.append((mapped.step, evictions))
-            while log_ and log_[0][0] <= mapped.step - _EVICTION_LOG_STEPS:
-                log_.popleft()
-        self.eviction_log_from = max(self.eviction_log_from, mapped.step - _EVICTION_LOG_STEPS)
+        with self.lock:
+            mapped = self.in_flight.popleft()
+            for name, step in mapped.steps.items():
+                log_ = self.eviction_log[name]
+                for evictions in (step.evicted, step.expired):
+                    if len(evictions):
+                        log_.append((mapped.step, evictions))
+                while log_ and log_[0][0] <= mapped.step - _EVICTION_LOG_STEPS:
+                    log_.popleft()
+            self.eviction_log_from = max(self.eviction_log_from, mapped.step - _EVICTION_LOG_STEPS)
 
     def _count(self, name: str, step: TableStep, rows: torch.Tensor) -> None:
         """``step``: this rank's buckets'; ``rows``: of this rank's own events."""
@@ -765,7 +843,8 @@ class IdSpace:
         metrics.evictions.labels(name, "ttl").inc(len(step.expired))
         metrics.unknown_lookups.labels(name).inc(int((rows == table.unknown_row).sum()))
         metrics.rows_in_use.labels(name).set(table.occupied)
-        metrics.memory_bytes.labels(name).set(self._table_bytes(name))
+        with self.lock:
+            metrics.memory_bytes.labels(name).set(self._table_bytes(name))
 
     def _table_bytes(self, name: str) -> int:
         return self.mapping.tables[name].memory_bytes() + sum(m.steps[name].undo.nbytes for m in self.in_flight)
@@ -773,35 +852,40 @@ class IdSpace:
     def memory_bytes(self) -> int:
         """What the maps take in memory on this rank, every managed table's: their arrays and index
         (made at full size), and the undo of the steps in flight."""
-        return sum(self._table_bytes(t.name) for t in self.tables)
+        with self.lock:
+            return sum(self._table_bytes(t.name) for t in self.tables)
 
     # --- the cut: snapshots and deltas --------------------------------------------------------
     def state_dict(self) -> dict[str, object]:
         """The map at the cut: the trained batches' (the steps of the batches in flight undone on a
         copy of the arrays; the map itself stays ahead)."""
-        return self.mapping.state_dict([m.steps for m in self.in_flight])
+        with self.lock:
+            return self.mapping.state_dict([m.steps for m in self.in_flight])
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Take a snapshot's map; call before any batch is mapped."""
         if self.in_flight:
             raise RuntimeError("a snapshot's id map can only be loaded before training starts")
-        self.mapping.load_state_dict(state)
-        for log_ in self.eviction_log.values():
-            log_.clear()
-        self.eviction_log_from = self.mapping.step
+        with self.lock:
+            self.mapping.load_state_dict(state)
+            for log_ in self.eviction_log.values():
+                log_.clear()
+            self.eviction_log_from = self.mapping.step
 
     def raw_ids(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
         """At the cut: the rows of ``table`` that hold live ids, ascending, and those raw ids."""
         ids = self.mapping.tables[table]
-        return ids.live(ids.at([m.steps[table] for m in self.in_flight]) if self.in_flight else None)
+        with self.lock:
+            return ids.live(ids.at([m.steps[table] for m in self.in_flight]) if self.in_flight else None)
 
     def evicted_since(self, table: str, step: int) -> Evictions | None:
         """Ids of ``table`` evicted after id-space step ``step`` up to the cut, oldest first (an id
         may appear more than once); None when the log does not reach back that far (it keeps
         10,000 steps, and starts afresh at a restore): then take everything (``raw_ids``)."""
-        if step < self.eviction_log_from:
-            return None
-        later = [e for s, e in self.eviction_log[table] if s > step]
+        with self.lock:
+            if step < self.eviction_log_from:
+                return None
+            later = [e for s, e in self.eviction_log[table] if s > step]
         if not later:
             return Evictions.none()
         return Evictions(torch.cat([e.rows for e in later]), torch.cat([e.ids for e in later]))
@@ -809,7 +893,8 @@ class IdSpace:
     @property
     def step(self) -> int:
         """The id-space step of the cut: how many steps the trained batches took."""
-        return self.mapping.step - len(self.in_flight)
+        with self.lock:
+            return self.mapping.step - len(self.in_flight)
 
 
 class _Exchange:

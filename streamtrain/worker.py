@@ -351,6 +351,7 @@ def _run(
         questions={**snapshots.questions(), **(publisher.questions() if publisher else {})},
         heartbeat=health.beat,
         max_events=max_events,
+        lookahead=trainer.lookahead,
     )
     _stop_on_signals(prefetcher, snapshots.request, shutdown)
     progress = _Progress(
