@@ -1,12 +1,14 @@
 # Two commands matter: `make demo` and `make test` (`make lint` first, then the suite, which builds the
 # docs site strictly). Both run `make setup` first, which is idempotent: a second run only checks
-# stamps and costs seconds.
+# stamps and costs seconds. `make test-fast` is the quick path while working: lint, then the tests
+# that need no broker and no ranks.
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 KAFKA_VERSION := 4.1.1
 KAFKA_LIBS := .cache/kafka/$(KAFKA_VERSION)/libs
+JOINER_DIR := .cache/joiner
 # Which fbgemm_gpu to install: the CUDA build (requirements/cuda.txt) on hosts where nvidia-smi
 # answers, else the CPU one (requirements/cpu.txt). Override with STREAMTRAIN_CUDA=1 or 0, or run
 # `make setup-cuda`. The worker picks its device from what is installed (distributed.device: auto).
@@ -15,10 +17,10 @@ VARIANT := $(if $(filter 1,$(STREAMTRAIN_CUDA)),cuda,cpu)
 OTHER_FBGEMM := $(if $(filter cuda,$(VARIANT)),fbgemm-gpu-cpu,fbgemm-gpu)
 STAMP := $(VENV)/.stamp-$(VARIANT)
 
-.PHONY: setup setup-cuda lint test docs demo kafka clean
+.PHONY: setup setup-cuda lint test test-fast docs demo kafka clean
 .DEFAULT_GOAL := setup
 
-setup: $(STAMP) $(KAFKA_LIBS)/.stamp .cache/prometheus.stamp
+setup: $(STAMP) $(KAFKA_LIBS)/.stamp $(JOINER_DIR)/libs/.stamp .cache/prometheus.stamp
 
 setup-cuda:
 	$(MAKE) setup STREAMTRAIN_CUDA=1
@@ -41,12 +43,26 @@ $(KAFKA_LIBS)/.stamp: deploy/kafka/pom.xml
 	mvn --batch-mode --quiet -f deploy/kafka/pom.xml package
 	touch $@
 
+# The late-label joiner (deploy/joiner/, Kafka Streams): its jar and runtime jars in $(JOINER_DIR)/libs.
+$(JOINER_DIR)/libs/.stamp: deploy/joiner/pom.xml $(shell find deploy/joiner/src -type f)
+	rm -rf $(JOINER_DIR)/libs
+	mvn --batch-mode --quiet -f deploy/joiner/pom.xml package -Djoiner.dir=$(abspath $(JOINER_DIR))
+	touch $@
+
 # Debian's Prometheus, for the tests that scrape a live worker and evaluate the dashboard's queries.
+# apt-get runs as root, or through sudo where it asks no password; otherwise nothing is attempted,
+# and those tests say that prometheus is missing and skip (under CI=true they fail instead).
+APT_GET = apt-get -qq -o=Dpkg::Use-Pty=0
 .cache/prometheus.stamp:
-	command -v prometheus >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-	    apt-get install -y -qq --no-install-recommends prometheus) || \
-	    echo "warning: could not install Debian's prometheus; the scraping tests will say so and skip"
-	mkdir -p .cache && (command -v prometheus >/dev/null && touch $@ || true)
+	@if command -v prometheus >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then $(APT_GET) update && DEBIAN_FRONTEND=noninteractive \
+	    $(APT_GET) install -y --no-install-recommends prometheus; \
+	elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then sudo -n $(APT_GET) update && \
+	    sudo -n env DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y --no-install-recommends prometheus; \
+	else echo "note: not root and no passwordless sudo: install Debian's prometheus package yourself" \
+	    "for the tests that scrape a live worker (they skip, saying so, without it)"; \
+	fi || echo "warning: could not install Debian's prometheus; the scraping tests will say so and skip"
+	@mkdir -p .cache && (command -v prometheus >/dev/null && touch $@ || true)
 
 # Static checks, configured in pyproject.toml: ruff's lint rules, the formatter's verdict, and mypy.
 lint: $(STAMP)
@@ -61,6 +77,12 @@ TEST_WORKERS ?= 2
 
 test: setup lint
 	$(PY) -m pytest -ra --durations=40 -n $(TEST_WORKERS) --dist worksteal tests
+
+# The quick path: lint, then every test not marked integration (tests/conftest.py marks each test
+# that starts a Kafka broker, a worker process or several ranks), in the same two workers. It needs
+# neither Prometheus nor the broker jars, and no root.
+test-fast: $(STAMP) lint
+	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist worksteal -m "not integration" tests
 
 # The docs site (mkdocs.yml, docs/): the configuration reference regenerated from
 # streamtrain/config.py, then a strict build into site/ (git-ignored). tests/test_docs.py checks

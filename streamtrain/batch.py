@@ -78,6 +78,7 @@ class Prefetcher:
         self._ended = False
         self.thread = threading.Thread(target=self._run, name="streamtrain-prefetch", daemon=True)
         metrics.queue_capacity.set(config.queue_size)
+        metrics.topic_partitions.labels(source.topic).set(source.topic_partitions)
 
     def start(self) -> Prefetcher:
         self.thread.start()
@@ -159,7 +160,17 @@ class Prefetcher:
     def _tend(self) -> None:
         """What this thread does beside polling, as the only caller of the consumer."""
         self.commits.forward(self.source)
+        self._watch_partitions()
         self.lag.refresh()
+
+    def _watch_partitions(self) -> None:
+        """Partitions added to the topic: this rank's are read from now on, and counted."""
+        known = self.source.topic_partitions
+        if picked := self.source.pick_up_new_partitions():
+            self.metrics.partitions_picked_up.labels(self.source.topic).inc(len(picked))
+            self.lag.due()  # their lag shows at the next refresh
+        if self.source.topic_partitions != known:
+            self.metrics.topic_partitions.labels(self.source.topic).set(self.source.topic_partitions)
 
     def _decode(self, events: EventBatch) -> ClickBatch | None:
         """The decoded batch, once its rejected events are dealt with; None if a stop came while
@@ -213,14 +224,19 @@ class PendingCommits:
 
 
 class LagGauges:
-    """The consumer-lag gauge of every owned partition, refreshed at most every ``refresh_seconds``;
-    ``total`` is their sum at the last refresh (None before the first fetch), for the progress line."""
+    """The consumer-lag gauge of every owned partition (those picked up while running too),
+    refreshed at most every ``refresh_seconds``; ``total`` is their sum at the last refresh (None
+    before the first fetch), for the progress line."""
 
     def __init__(self, source: KafkaSource, metrics: WorkerMetrics, refresh_seconds: float):
         self.source = source
         self.metrics = metrics
         self.refresh_seconds = refresh_seconds
         self.total: int | None = None
+        self._refreshed = 0.0
+
+    def due(self) -> None:
+        """Refresh at the next call."""
         self._refreshed = 0.0
 
     def refresh(self) -> None:

@@ -4,9 +4,10 @@ A snapshot is a consistent cut: it is taken between two pipeline steps, so the w
 updates of exactly the batches whose positions it records. It is written asynchronously
 (``dcp.async_save`` on a gloo group of its own, one save in flight) under
 ``step-<N>.partial/``; once every rank's writes are done, rank 0 adds ``streamtrain.json`` and
-renames the folder to ``step-<N>``, then points ``latest`` at it. Restoring loads the newest
-snapshot that every rank verifies and loads, skipping partial or damaged ones with a warning, and
-the consumer starts from the positions in it, never from the consumer group's committed offsets.
+renames the folder to ``step-<N>``, then points ``latest`` at it. Restoring loads the snapshot
+committed last that every rank verifies and loads, skipping partial or damaged ones with a
+warning, and the consumer starts from the positions in it, never from the consumer group's
+committed offsets.
 If snapshots exist and none loads, the worker refuses to start (``RestoreRefused``) rather than
 train from scratch beside them; ``--fresh-start`` moves them aside first. A snapshot that fails to
 write is counted and removed, and the next trigger tries again. Commits go through
@@ -38,7 +39,9 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from streamtrain import durable
 from streamtrain.config import CheckpointConfig, WorkerConfig
+from streamtrain.exitcodes import ExitCode
 from streamtrain.heads import architecture
+from streamtrain.launch import exit_if_orphaned
 from streamtrain.schema import field_kind, load_schema
 
 if TYPE_CHECKING:
@@ -56,10 +59,6 @@ PARTIAL = ".partial"
 FORMAT_VERSION = 1
 # Version 1 hashed whole config sections; version 2 lists what shapes the tensors (see below).
 FINGERPRINT_VERSION = 2
-# The worker's exit code once checkpoint.max_consecutive_failures snapshots in a row failed.
-EXIT_SNAPSHOTS_FAILING = 6
-# The worker's exit code when checkpoint.path holds snapshots and none of them loads.
-EXIT_RESTORE_REFUSED = 7
 ASIDE = "aside-"
 
 
@@ -73,7 +72,7 @@ class SnapshotsFailing(CheckpointError):
 
 class RestoreRefused(CheckpointError):
     """Snapshots exist and none can be restored: every rank raises it, and the worker exits with
-    ``EXIT_RESTORE_REFUSED``, leaving them where they are."""
+    ``ExitCode.RESTORE_REFUSED``, leaving them where they are."""
 
 
 @dataclass(frozen=True)
@@ -142,10 +141,12 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
     mmoe's experts; not the labels, loss weights or which labels are required.
 
     Left out, because a snapshot stays right across them: the wire format, the registry and
-    credentials, sharding constraints (DCP reshards), batch size, learning rates, metrics.
+    credentials, sharding constraints (DCP reshards), batch size, learning rates, metrics. For a
+    user's model (model.module), also what only the built-ins read (``_BUILT_IN_ONLY``): its
+    factory builds from the tables, the dense inputs, the tasks and model.options (docs/models.md).
     """
     schema = load_schema(config.features.resolved_schema_path())
-    return {
+    fingerprint = {
         "version": FINGERPRINT_VERSION,
         "tables": {
             t.name: {
@@ -177,6 +178,27 @@ def compatibility_fingerprint(config: WorkerConfig) -> dict[str, Any]:
             else {}
         ),
     }
+    if config.model.module is None:
+        return fingerprint
+    # the tasks' names and count: the module's output has a logit per task, and may name a tower after each
+    return {**_without_built_in_only(fingerprint), "tasks": [t.name for t in config.tasks()]}
+
+
+# What only the built-in architectures read: their dense and over arches and model.multitask's heads.
+_BUILT_IN_ONLY = ("dense_arch_layer_sizes", "over_arch_layer_sizes", "heads")
+
+
+def _without_built_in_only(fingerprint: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fingerprint.items() if k not in _BUILT_IN_ONLY}
+
+
+def _as_user_model_fingerprint(theirs: dict[str, Any]) -> dict[str, Any]:
+    """A user's model's fingerprint as this version writes it, from one written before, which held
+    the built-ins' settings too, and the tasks only in its heads (which named a single task not at
+    all: None then, and the task count is left to the load's shape check)."""
+    if "tasks" in theirs:
+        return theirs
+    return {**_without_built_in_only(theirs), "tasks": theirs.get("heads", _DLRM_HEADS).get("tasks")}
 
 
 def _architecture(config: WorkerConfig) -> dict[str, Any]:
@@ -226,9 +248,16 @@ def fingerprint_differences(ours: dict[str, Any], theirs: dict[str, Any], config
             if changed
             else []
         )
+    if "module" in ours.get("net", {}) and "module" in theirs.get("net", {}):
+        theirs = _as_user_model_fingerprint(theirs)
+        if theirs["tasks"] is None:
+            ours = {k: v for k, v in ours.items() if k != "tasks"}
+            theirs = {k: v for k, v in theirs.items() if k != "tasks"}
+    else:
+        theirs = {"heads": _DLRM_HEADS, **theirs}
     return [
         _before_buckets(name) if name is not None else difference
-        for difference in _differences(ours, {"heads": _DLRM_HEADS, **theirs}, "")
+        for difference in _differences(ours, theirs, "")
         for name in [_table_without_buckets(difference, theirs)]
     ]
 
@@ -454,8 +483,9 @@ def _step_of(name: str) -> int | None:
 
 
 def list_snapshots(root: str) -> list[SnapshotInfo]:
-    """Every snapshot under ``root``, newest first, each verified: its marker parses and every
-    file DCP's metadata refers to exists and is long enough."""
+    """Every snapshot under ``root``, the one committed last first (``commit_order``: the order
+    restore, retention and export all read), each verified: its marker parses and every file DCP's
+    metadata refers to exists and is long enough. Those whose marker is unreadable come last."""
     fs, base = _fs(root)
     if not fs.exists(base):
         return []
@@ -465,7 +495,7 @@ def list_snapshots(root: str) -> list[SnapshotInfo]:
         step = _step_of(name)
         if step is not None:
             found.append(verify_snapshot(_join(root, name), step))
-    return sorted(found, key=lambda s: (s.step, s.complete), reverse=True)
+    return sorted(found, key=lambda s: s.commit_order, reverse=True)
 
 
 def verify_snapshot(path: str, step: int | None = None) -> SnapshotInfo:
@@ -479,8 +509,14 @@ def verify_snapshot(path: str, step: int | None = None) -> SnapshotInfo:
         return SnapshotInfo(path, step, False, "never finished (no commit by rank 0)", None, size)
     try:
         metadata = json.loads(fs.cat_file(_join(local, MARKER)))
-        if metadata.get("format") != FORMAT_VERSION or "stream" not in metadata:
-            raise ValueError(f"unknown format {metadata.get('format')!r}")
+        written = metadata.get("format")
+        if isinstance(written, int) and written > FORMAT_VERSION:
+            raise ValueError(
+                f"written in snapshot format {written} by a newer streamtrain; this one reads format "
+                f"{FORMAT_VERSION}: restore it with a version that reads it (docs/upgrading.md)"
+            )
+        if written != FORMAT_VERSION or "stream" not in metadata:
+            raise ValueError(f"unknown format {written!r}")
     except FileNotFoundError:
         return SnapshotInfo(path, step, False, f"no {MARKER} marker", None, size)
     except (ValueError, KeyError) as error:
@@ -540,6 +576,8 @@ class Checkpointer:
         self.world_size = world_size
         self.group = group
         self.metrics = metrics
+        if metrics is not None:
+            metrics.checkpoint_interval.set(config.interval_seconds)
         self.worker_config = worker_config
         self.fingerprint = compatibility_fingerprint(worker_config)
         self.in_flight: tuple[Future, str, StreamState, float] | None = None
@@ -556,6 +594,7 @@ class Checkpointer:
         # Steps whose snapshots a reader outside this class is still using (a base export): kept
         # past keep_last until it lets go.
         self.pinned: set[int] = set()
+        self.unreadable_kept: set[str] = set()  # committed snapshots retention could not read, warned of
         # One stager for the worker's life: it keeps its host buffers. One save is in flight at
         # a time, so a staging never overwrites the buffers a write is still reading.
         self.stager = snapshot_stager(_device_of(model), config.async_mode)
@@ -639,12 +678,24 @@ class Checkpointer:
         self.last_saved_at = time.monotonic()
         self.last_saved_step = stream.step
         if self.metrics:
-            fs, local = _fs(final_path)
             self.metrics.checkpoint_seconds.observe(duration)
-            self.metrics.checkpoint_bytes.set(sum(fs.du(local, total=False).values()))
             self.metrics.checkpoint_last_success.set(time.time())
+            self._measure(final_path)
         log.info("rank %d: snapshot %s committed (step %d, %.2fs)", self.rank, final_path, stream.step, duration)
         return stream
+
+    def _measure(self, path: str) -> None:
+        """The committed snapshot's size, for its gauge. Read on each rank by itself after every rank
+        agreed on the commit, so a failure here (a file system that fails one rank's listing) is
+        logged and counted, never raised: a rank that raised would leave its peers at the next
+        collective."""
+        assert self.metrics is not None
+        try:
+            fs, local = _fs(path)
+            self.metrics.checkpoint_bytes.set(sum(fs.du(local, total=False).values()))
+        except Exception as error:
+            log.warning("rank %d: could not read the size of %s: %s", self.rank, path, _first_line(error))
+            self.metrics.checkpoint_size_failures.inc()
 
     def save(self, local: StreamState) -> StreamState | None:
         self.start_save(local)
@@ -687,7 +738,7 @@ class Checkpointer:
             f"{self.consecutive_failures} snapshots in a row failed (checkpoint.max_consecutive_failures is "
             f"{self.config.max_consecutive_failures}); the last at {self.last_failure}. Training on would pile "
             f"up work that a crash loses. Check free space and permissions of {self.root}; a restart resumes "
-            f"from the last committed snapshot. Exiting with code {EXIT_SNAPSHOTS_FAILING}."
+            f"from the last committed snapshot. Exiting with code {ExitCode.SNAPSHOTS_FAILING:d}."
         )
 
     def _commit(self, partial_path: str, final_path: str, stream: StreamState, seconds: float) -> None:
@@ -711,6 +762,7 @@ class Checkpointer:
             "commit": self._next_commit(),
         }
         fs.pipe_file(_join(partial, MARKER), json.dumps(marker, indent=2).encode())
+        exit_if_orphaned("committing a snapshot")  # a replacement worker may be committing by now
         # a replay of the same step after a crash: the new cut replaces it
         durable.publish_folder(fs, partial, final)
         _, base = _fs(self.root)
@@ -725,19 +777,26 @@ class Checkpointer:
     def _retain(self) -> None:
         """Keep the ``keep_last`` snapshots committed last (and the pinned ones); remove the older
         ones, and leftovers of crashed saves older than the newest. By commit order, not step: a run
-        restarted at a lower step keeps its own snapshots. A removal that fails is logged and
+        restarted at a lower step keeps its own snapshots. A committed snapshot that could not be
+        read (a damaged one, or a read that failed this once) is never removed: refuse rather than
+        forget; nor is a pinned one, whatever its state. A removal that fails is logged and
         counted, and retried at the next commit; the commit it followed stands."""
         try:
             snapshots = list_snapshots(self.root)
         except Exception as error:
             self._retention_failed(self.root, error)
             return
-        complete = sorted((s for s in snapshots if s.complete), key=lambda s: s.commit_order, reverse=True)
-        keep = {s.path for s in complete[: self.config.keep_last]} | {s.path for s in complete if s.step in self.pinned}
+        complete = [s for s in snapshots if s.complete]  # committed last first
+        pinned = {s.path for s in snapshots if s.step in self.pinned}
+        keep = {s.path for s in complete[: self.config.keep_last]} | pinned
         newest = complete[0].step if complete else 0
         fs, _ = _fs(self.root)
         for snapshot in snapshots:
-            if snapshot.path not in keep and (snapshot.complete or snapshot.step < newest):
+            if snapshot.committed and not snapshot.complete and snapshot.path not in self.unreadable_kept:
+                self.unreadable_kept.add(snapshot.path)
+                log.warning("retention: keeping %s, which could not be read (%s)", snapshot.path, snapshot.problem)
+            removable = snapshot.complete or (not snapshot.committed and snapshot.step < newest)
+            if snapshot.path not in keep and removable:
                 try:
                     fs.rm(_fs(snapshot.path)[1], recursive=True)
                 except Exception as error:
@@ -790,7 +849,7 @@ class Checkpointer:
                 f"{self.root} holds snapshots and none of them loads: {'; '.join(reasons)}. Nothing was removed. "
                 f"Fix what the reasons name and restart; or pass --allow-partial-restore if the config changed; "
                 f"or pass --fresh-start to move them aside (into {ASIDE}<time>/ there) and start at the configured "
-                f"position. Exiting with code {EXIT_RESTORE_REFUSED}."
+                f"position. Exiting with code {ExitCode.RESTORE_REFUSED:d}."
             )
         snapshot, stream = loaded
         assert stream is not None and snapshot.metadata is not None
@@ -835,20 +894,22 @@ class Checkpointer:
     def _load_agreed(
         self, snapshots: list[SnapshotInfo], allow_partial: bool, parts: tuple[str, ...], reasons: list[str]
     ) -> tuple[SnapshotInfo, StreamState | None] | None:
-        """Every rank loads ``parts`` of the same snapshot: the newest each rank verifies (the
-        MIN over ranks); if any rank cannot verify or load it, all fall back to the next older
-        one together. Ranks that restored different cuts would train from mixed positions. Why
-        each skipped one was skipped is appended to ``reasons``."""
+        """Every rank loads ``parts`` of the same snapshot: the one committed last (``snapshots``'
+        order, which retention keeps by) that every rank verifies and loads. Rank 0 names each
+        candidate in turn; if any rank cannot verify or load it, all fall back to the next one
+        together. Ranks that restored different cuts would train from mixed positions. By commit,
+        not step: a run that fell back to an older snapshot commits lower steps after the higher
+        one it abandoned, and those are its newest. Why each skipped one was skipped is appended
+        to ``reasons``."""
         for unusable in (s for s in snapshots if not s.complete):
             log.warning("skipping snapshot %s: %s", unusable.path, unusable.problem)
             reasons.append(f"{unusable.path}: {unusable.problem}")
-        verified = {s.step: s for s in snapshots if s.complete}
-        below: int | None = None
-        while True:  # ends: each turn lowers ``below`` to a step some rank verified, or to -1
-            step = self._agree(max((s for s in verified if below is None or s < below), default=-1), dist.ReduceOp.MIN)
+        verified = {s.step: s for s in snapshots if s.complete}  # a step names one folder
+        candidates = iter(verified) if self.rank == 0 else iter(())
+        while True:  # ends: each turn takes the next of rank 0's candidates, or -1 once none is left
+            step = self._agree(next(candidates, -1), dist.ReduceOp.MAX)  # the other ranks offer -1
             if step < 0:
                 return None
-            below = step
             snapshot = verified.get(step)
             differences: list[str] = []
             if snapshot is not None:
@@ -866,7 +927,7 @@ class Checkpointer:
                     f"Its tensors would not mean the same thing here. Restore it with the config it was written "
                     f"with, point checkpoint.path elsewhere to start fresh, or pass --allow-partial-restore to "
                     f"load only the tensors whose names and shapes still match. Exiting with code "
-                    f"{EXIT_RESTORE_REFUSED}."
+                    f"{ExitCode.RESTORE_REFUSED:d}."
                 )
             if verdict == 1:
                 why = "another rank cannot verify it (see its log)" if snapshot else "this rank cannot verify it"
@@ -885,7 +946,7 @@ class Checkpointer:
             if differences:  # a partial load writes only some tensors: an older one would not overwrite them all
                 raise RestoreRefused(
                     f"the partial restore of {snapshot.path} failed after it began loading ({why}); the model may be "
-                    f"half-loaded, so the worker does not train it. Exiting with code {EXIT_RESTORE_REFUSED}."
+                    f"half-loaded, so the worker does not train it. Exiting with code {ExitCode.RESTORE_REFUSED:d}."
                 )
             log.warning("skipping snapshot %s: %s", snapshot.path, why)
             reasons.append(f"{snapshot.path}: {why}")

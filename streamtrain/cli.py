@@ -10,11 +10,13 @@ import os
 import signal
 import sys
 import threading
+import traceback
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamtrain.config import PACKAGE_DIR, ConfigError
+from streamtrain.exitcodes import ExitCode
 
 if TYPE_CHECKING:
     from streamtrain.delivery.serve import DeltaSource
@@ -25,6 +27,7 @@ DEFAULT_SCHEMA = PACKAGE_DIR / "schemas" / "click_event.avsc"
 DOCS_PAGES = {
     "streamtrain": "index.md",
     "worker": "getting-started.md",
+    "torchrun": "ranks.md",
     "plan": "ranks.md",
     "produce": "development.md",
     "dev-kafka": "development.md",
@@ -71,7 +74,7 @@ def _worker(args: argparse.Namespace) -> int:
         from streamtrain.device import select_device
 
         select_device(config.distributed.device)  # refuse distributed.device: cuda here, not in every rank
-        return _launch_local_ranks(args)
+        return _launch_local_ranks(args, config.distributed.shutdown_grace_seconds)
     from streamtrain.source import KafkaUnavailable
     from streamtrain.worker import run_worker
 
@@ -94,10 +97,10 @@ def _worker(args: argparse.Namespace) -> int:
         return error.exit_code
 
 
-def _launch_local_ranks(args: argparse.Namespace) -> int:
-    """Start ``--nproc`` ranks on this host with torch's elastic launcher, exactly as torchrun would."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.run import get_args_parser, run
+def _launch_local_ranks(args: argparse.Namespace, shutdown_grace: float) -> int:
+    """Start ``--nproc`` ranks on this host with torch's elastic launcher, exactly as torchrun would;
+    the ranks' exit code, the most severe if several failed."""
+    from streamtrain.launch import launch
 
     worker_args = ["worker", "--config", str(args.config)]
     if args.until_end:
@@ -112,20 +115,24 @@ def _launch_local_ranks(args: argparse.Namespace) -> int:
         worker_args += ["--init-from", args.init_from]
     if args.start_at is not None:
         worker_args += ["--start-at", args.start_at]
-    launch = get_args_parser().parse_args(
-        ["--standalone", f"--nproc-per-node={args.nproc}", "--max-restarts=0", "--module", "streamtrain", *worker_args]
+    return launch(
+        ["--standalone", f"--nproc-per-node={args.nproc}", "--max-restarts=0", "--module", "streamtrain", *worker_args],
+        shutdown_grace,
     )
-    try:
-        run(launch)
-    except SignalException as stopped:
-        # The launcher has passed the signal to every rank and waited for them to stop: a
-        # requested, graceful stop, not a failure.
-        print(f"streamtrain: stopped by {signal.Signals(stopped.sigval).name}", file=sys.stderr)
-        return 0 if stopped.sigval in (signal.SIGTERM, signal.SIGINT) else 1
-    except Exception as error:  # ChildFailedError: the launcher has already printed which rank failed
-        print(f"streamtrain: a rank failed: {str(error).splitlines()[0] if str(error) else error}", file=sys.stderr)
-        return 1
-    return 0
+
+
+def _torchrun(args: argparse.Namespace) -> int:
+    from streamtrain.launch import launch
+
+    if not args.options or args.options[0] in ("-h", "--help"):
+        from torch.distributed.run import get_args_parser
+
+        print(args.describe)
+        parser = get_args_parser()
+        parser.prog = "streamtrain torchrun"
+        parser.print_help()
+        return ExitCode.OK
+    return launch(args.options)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -169,12 +176,12 @@ def _produce(args: argparse.Namespace) -> int:
     if given and not args.drift:
         flags = ", ".join(f"--drift-{name.replace('_', '-')}" for name in given)
         print(f"streamtrain produce: {flags}: only the drifting stream takes these; add --drift", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
     try:
         drift = Drift(**given) if args.drift else None
     except ValueError as error:
         print(f"streamtrain produce: {error}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -217,7 +224,7 @@ def _demo(args: argparse.Namespace) -> int:
             "streamtrain demo: --metrics-port 0 leaves nothing to calibrate from; give a port, or --rate",
             file=sys.stderr,
         )
-        return 2
+        return ExitCode.CONFIG
     return run_demo(metrics_port=args.metrics_port, rate=args.rate, load_fraction=args.load_fraction)
 
 
@@ -296,14 +303,16 @@ def _serve(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    limits = ServeLimits(args.max_request_bytes, args.max_events, args.max_in_flight, args.token_file)
+    limits = ServeLimits(
+        args.max_request_bytes, args.max_events, args.max_in_flight, args.token_file, args.body_timeout_seconds
+    )
     try:
         server = ScoringServer(
             model, deltas, args.host, args.port, args.base_wait_seconds, args.base_wait_seconds, limits=limits
         )
     except (OSError, ValueError) as error:  # the token file
         print(f"streamtrain: --token-file: {error}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
     try:
         server.start()
     except TimeoutError as error:  # no base to serve yet
@@ -312,7 +321,7 @@ def _serve(args: argparse.Namespace) -> int:
     except DeltaSourceUnavailable as error:
         # the same exit code as a worker whose brokers do not answer: an orchestrator retries both
         print(f"streamtrain: the deltas cannot be read: {error}", file=sys.stderr)
-        return 4
+        return ExitCode.KAFKA_UNREACHABLE
     print(f"serving {model} on http://{args.host}:{server.port} (POST /score, /readyz, /metrics)", flush=True)
     stop.wait()
     server.stop()
@@ -341,6 +350,7 @@ def _serving_sources(args: argparse.Namespace) -> tuple[Path, DeltaSource | None
             raise ConfigError("--deltas TOPIC needs --bootstrap-servers HOST:PORT, or the worker's --config")
         return model, KafkaDeltas(args.bootstrap_servers, args.deltas)
     kafka = config.kafka
+    config.check_clients()  # a property librdkafka refuses is named now, not at the first poll
     return model, KafkaDeltas(
         args.bootstrap_servers or kafka.bootstrap_servers,
         args.deltas or config.delivery.resolved_topic(kafka.topic),
@@ -431,6 +441,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="launch N ranks on this host through torch's elastic launcher (as torchrun does)",
     )
     worker.set_defaults(run=_worker)
+
+    torchrun_description = (
+        "torchrun, returning the ranks' exit code: the most severe of the failed ranks' codes, or after a stop "
+        "the ranks' own (3 for a rank that did not stop within torchrun's --shutdown-timeout). It takes torchrun's "
+        "options and command line unchanged, e.g. `streamtrain torchrun --nnodes 2 --nproc-per-node 4 "
+        "--rdzv-backend c10d --rdzv-endpoint HOST:29400 -m streamtrain worker --config worker.yaml`; its ranks die "
+        "with it. torchrun's own options follow."
+    )
+    torchrun = commands.add_parser(
+        "torchrun",
+        help="torchrun for streamtrain ranks, exiting with the ranks' exit code",
+        description=torchrun_description,
+        add_help=False,
+        prefix_chars="\0",  # every argument is torchrun's
+    )
+    torchrun.add_argument("options", nargs=argparse.REMAINDER, help="torchrun's options and command line")
+    torchrun.set_defaults(run=_torchrun, describe=torchrun_description)
 
     plan = commands.add_parser(
         "plan",
@@ -609,6 +636,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="/score requests handled at once; more get 503 with Retry-After (default 8)",
     )
     serve.add_argument(
+        "--body-timeout-seconds",
+        type=float,
+        default=10.0,
+        help="a /score body not received within this many seconds gets 408, freeing its slot (default 10)",
+    )
+    serve.add_argument(
         "--token-file",
         type=Path,
         help="a file holding a bearer token /score requests must send (Authorization: Bearer ...); TLS is the "
@@ -667,12 +700,24 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except ConfigError as error:
         print(f"streamtrain: {error}", file=sys.stderr)
-        return 2
+        return ExitCode.CONFIG
 
 
 def program() -> int:
-    """``main`` as the ``streamtrain`` program runs it (the console script, ``python -m streamtrain``)."""
-    code = main()
+    """``main`` as the ``streamtrain`` program runs it (the console script, ``python -m streamtrain``):
+    in a rank, dying with its launcher and recording its exit code for it (streamtrain.launch)."""
+    from streamtrain.launch import die_with_parent, record_exit
+
+    die_with_parent()
+    try:
+        code = main()
+    except SystemExit as stop:  # argparse's, or a command's message
+        record_exit(stop.code if isinstance(stop.code, int) else ExitCode.OK if stop.code is None else ExitCode.FAILED)
+        raise
+    except BaseException:
+        record_exit(ExitCode.FAILED, traceback.format_exc())
+        raise
+    record_exit(code)
     # The interpreter's last full collection walks every object torch, TorchRec and numba made: a
     # 1-rank worker took 1.35 s to exit, 0.25 s without it. Everything is closed and flushed by
     # now, so cyclic garbage is left to the OS, and a restart, or each torchrun rank, ends sooner.

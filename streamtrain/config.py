@@ -3,23 +3,29 @@
 Every field can be overridden from the environment: the variable name is ``STREAMTRAIN_`` plus the
 field's path joined by ``__``, e.g. ``STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS=broker:9092`` or
 ``STREAMTRAIN_FEATURES__TABLES__0__NUM_EMBEDDINGS=500000``. Values are parsed as YAML scalars or
-flow collections, so ``[64, 16]`` and ``true`` work.
+flow collections, so ``[64, 16]`` and ``true`` work. A client property's name is dotted, and a shell
+cannot export a name with a dot in it: under ``client_config`` and ``client_config_files``, each dot
+of the property is written ``__``, so ``STREAMTRAIN_KAFKA__CLIENT_CONFIG__SASL__MECHANISM=PLAIN`` sets
+``sasl.mechanism``. Every client property is checked at start-up: a name librdkafka (or the registry
+client) does not know, or a value it refuses, stops the worker with exit code 2, naming it.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import logging
 import os
+import re
 import time
 import types
 from collections.abc import Mapping
 from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from streamtrain.schema import ID_KINDS, NUMBER_KINDS, field_kind, load_schema
 
@@ -38,6 +44,9 @@ class _Strict(BaseModel):
 
 class _ClientProperties(_Strict):
     """Client properties with secrets kept out of the YAML: they are read from files instead."""
+
+    # Where the maps sit in the config, for messages and the variables that set them.
+    section: ClassVar[str]
 
     client_config: dict[str, str] = Field(
         default={},
@@ -59,11 +68,82 @@ class _ClientProperties(_Strict):
         return value
 
     def client_properties(self) -> dict[str, Any]:
-        """The properties, secrets included; never log the result."""
+        """The properties, secrets included; never log the result. A file that cannot be read is a
+        ConfigError naming its property."""
         props = dict(self.client_config)
         for key, path in self.client_config_files.items():
-            props[key] = Path(path).read_text().strip()
+            try:
+                props[key] = Path(path).read_text().strip()
+            except OSError as error:
+                where = f"{self.section}.client_config_files.{key}"
+                variable = property_variable(self.section, "client_config_files", key)
+                raise ConfigError(
+                    f"invalid worker configuration:\n  {where}: cannot read {path}: {error.strerror or error}; "
+                    f"mount the file there, or name another ({variable})"
+                ) from None
         return props
+
+
+def property_variable(section: str, field: str, key: str) -> str:
+    """The environment variable that sets client property ``key`` of ``section``'s ``field``: each
+    dot of the property written ``__``."""
+    return ENV_PREFIX + "__".join([*section.split("."), field, *key.split(".")]).upper()
+
+
+# Silences librdkafka while it only checks properties (a consumer property in a producer is a warning).
+_PROBE_LOG = logging.getLogger("streamtrain.kafka.probe")
+_PROBE_LOG.addHandler(logging.NullHandler())
+_PROBE_LOG.propagate = False
+_UNKNOWN_PROPERTY = re.compile(r'^No such configuration property: "(.+)"$')
+_BAD_VALUE = re.compile(r'^Invalid value .*for configuration property "(.+)"$')
+
+
+def librdkafka_refusal(properties: Mapping[str, Any]) -> str | None:
+    """librdkafka's reason for refusing ``properties`` (an unknown name, a bad value, a login half
+    set), or None. A client is built with them but without brokers, so nothing connects; it takes
+    tens of milliseconds."""
+    from confluent_kafka import KafkaException, Producer
+
+    try:
+        Producer({**properties, "logger": _PROBE_LOG})
+    except KafkaException as error:
+        return str(error.args[0].str()).removeprefix("Failed to create producer: ")
+    return None
+
+
+def librdkafka_problems(properties: Mapping[str, Any], section: str, field: str, names_only: bool) -> list[str]:
+    """Each property of ``properties`` librdkafka does not know, with the property it likely meant,
+    and unless ``names_only`` (values read from files later), each value it refuses. Other refusals
+    (a login half set, whose other half may come from a file) are ``check_clients``'s, at start-up."""
+    if names_only:
+        return [_unknown_property(name, section, field) for name in properties if _unknown_to_librdkafka(name)]
+    remaining, problems = dict(properties), []
+    while remaining and (refusal := librdkafka_refusal(remaining)) is not None:
+        unknown, bad = _UNKNOWN_PROPERTY.match(refusal), _BAD_VALUE.match(refusal)
+        if unknown and unknown[1] in remaining:
+            name = unknown[1]
+            problems.append(_unknown_property(name, section, field))
+        elif bad and bad[1] in remaining:
+            name = bad[1]
+            problems.append(f"{name!r}: librdkafka refuses the value {remaining[name]!r}")
+        else:
+            break
+        del remaining[name]
+    return problems
+
+
+def _unknown_to_librdkafka(name: str) -> bool:
+    return bool(_UNKNOWN_PROPERTY.match(librdkafka_refusal({name: ""}) or ""))
+
+
+def _unknown_property(name: str, section: str, field: str) -> str:
+    dotted = name.replace("_", ".")
+    if dotted == name or _unknown_to_librdkafka(dotted):
+        return f"{name!r}: librdkafka has no such property"
+    return (
+        f"{name!r}: librdkafka has no such property; did you mean {dotted!r}? In an environment variable, "
+        f"write each dot of a property as __: {property_variable(section, field, dotted)}"
+    )
 
 
 # Consumer properties streamtrain sets itself, and why: exactly-once rests on how positions are
@@ -82,7 +162,10 @@ OWNED_PROPERTIES = {
 
 class KafkaConfig(_ClientProperties):
     """The source: the cluster, the topic, and librdkafka's consumer properties (client_config
-    overrides the consumer's defaults; the properties exactly-once rests on are refused)."""
+    overrides the consumer's defaults; the properties exactly-once rests on are refused). The
+    dead-letter and delta producers use the same properties."""
+
+    section: ClassVar[str] = "kafka"
 
     bootstrap_servers: str = Field(
         min_length=1, description="The brokers, comma-separated host:port (librdkafka's bootstrap.servers)."
@@ -102,6 +185,13 @@ class KafkaConfig(_ClientProperties):
         "with a timezone, or epoch milliseconds), i.e. each partition's first message whose timestamp is at or "
         "after it. Unset: the group's committed offsets (only without checkpoint.path), else the earliest.",
     )
+    partition_discovery_seconds: float = Field(
+        default=10.0,
+        ge=0,
+        description="How often each rank asks for the topic's partition count (one metadata request). Partitions "
+        "added while the worker runs are read from their beginning by the rank partition % world size names. "
+        "0: never; they are read after a restart.",
+    )
     fetch_queue: bool = Field(
         default=True,
         description="Read fetched messages through librdkafka's queue API into arrays (streamtrain/rdkafka.py); "
@@ -114,6 +204,15 @@ class KafkaConfig(_ClientProperties):
         for key in value:
             if key in OWNED_PROPERTIES:
                 raise ValueError(f"{key!r} is set by streamtrain and cannot be overridden: {OWNED_PROPERTIES[key]}")
+        return value
+
+    @field_validator("client_config", "client_config_files")
+    @classmethod
+    def _known_to_librdkafka(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        field = str(info.field_name)
+        problems = librdkafka_problems(value, cls.section, field, names_only=field == "client_config_files")
+        if problems:
+            raise ValueError("; ".join(problems))
         return value
 
     @field_validator("start_at", mode="before")
@@ -249,7 +348,10 @@ class TableConfig(_Strict):
         gt=0, description="The table's rows. A managed table sets rows instead (num_embeddings is then rows)."
     )
     embedding_dim: int = Field(
-        gt=0, description="The embedding's width; every table has the same (DLRM's interaction needs it)."
+        gt=0,
+        description="The embedding's width, a multiple of 4 (fbgemm's fused kernel needs it). The built-in "
+        "architectures need one width for every table (their interactions pair the embeddings); a model.module's "
+        "tables may differ (docs/models.md).",
     )
     pooling: Literal["sum", "mean"] = Field(default="sum", description="How a multi-valued feature's rows are pooled.")
     id_mapping: Literal["modulo", "hash", "managed"] = Field(
@@ -295,7 +397,7 @@ class TableConfig(_Strict):
         description="Look this feature's ids up in another entry's table: one embedding per id for both (a "
         "user's recent categories and the ad's category), so their dot product in DLRM's interaction is large "
         "exactly when the ad's category is among the recent ones. num_embeddings, embedding_dim, pooling and "
-        "id_mapping must match the owner's; sharding is the owner's.",
+        "id_mapping must match the owner's, which cannot be managed; sharding is the owner's.",
     )
 
     @model_validator(mode="before")
@@ -363,6 +465,8 @@ class DenseFeature(_Strict):
 class SchemaRegistryConfig(_ClientProperties):
     """A Confluent Schema Registry; client_config takes the registry client's properties."""
 
+    section: ClassVar[str] = "features.schema_registry"
+
     url: str = Field(
         pattern=r"^(https?|mock)://",
         description="The registry, e.g. https://registry:8081; credentials in it are refused (they would reach "
@@ -380,6 +484,23 @@ class SchemaRegistryConfig(_ClientProperties):
         description="How long an unreachable registry is retried before the worker stops with an error (an "
         "outage must not send good events to the dead-letter topic).",
     )
+
+    @field_validator("client_config", "client_config_files")
+    @classmethod
+    def _known_to_the_registry_client(cls, value: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        # One at a time: the client checks the values of the names it knows before it names the
+        # others. A file's property is tried with a value of the form the secrets take.
+        files = info.field_name == "client_config_files"
+        unknown = [
+            name
+            for name, given in value.items()
+            if (registry_client_refusal({name: "user:password" if files else given}) or "").startswith(
+                "Unrecognized properties"
+            )
+        ]
+        if unknown:
+            raise ValueError(f"confluent-kafka's registry client has no properties {unknown}")
+        return value
 
     @field_validator("url")
     @classmethod
@@ -465,6 +586,14 @@ class FeaturesConfig(_Strict):
                 )
         for i, table in shared:
             owner = by_name[str(table.shares_table_with)]
+            if owner.id_mapping == "managed":
+                # One table would take rows from two id maps, each giving away rows the other holds.
+                raise ValueError(
+                    f"features.tables.{i}.shares_table_with: {owner.name} is managed (id_mapping: managed), and a "
+                    f"managed table's rows are given by its own feature's id map, which the sharing feature's ids "
+                    f"are not in; give {table.name} a table of its own (remove shares_table_with), or map both "
+                    f"with hash or modulo"
+                )
             for key in ("num_embeddings", "embedding_dim", "pooling", "id_mapping"):
                 if getattr(table, key) != getattr(owner, key):
                     raise ValueError(
@@ -501,6 +630,18 @@ class FeaturesConfig(_Strict):
         if self.writer_schemas_dir is None:
             raise ConfigError("features.writer_schemas_dir is not set")
         return _resolved(self.writer_schemas_dir)
+
+
+def registry_client_refusal(properties: Mapping[str, Any], url: str = "http://127.0.0.1:8081") -> str | None:
+    """Why confluent-kafka's SchemaRegistryClient refuses ``properties``, or None; it connects to
+    nothing when built."""
+    from confluent_kafka.schema_registry import SchemaRegistryClient
+
+    try:
+        SchemaRegistryClient({"url": url, **properties})
+    except Exception as error:  # ValueError and TypeError by its checks, others by what they met
+        return f"{type(error).__name__}: {error}" if not isinstance(error, (ValueError, TypeError)) else str(error)
+    return None
 
 
 def _resolved(path: Path) -> Path:
@@ -719,6 +860,9 @@ class BatchingConfig(_Strict):
         gt=0,
         le=1_000_000,
         description="Events a step trains per rank; unset (or null): 1,024 on CPU, 16,384 on cuda (docs/batching.md).",
+        # Filled in before validation, from DEFAULT_BATCH_SIZE for the device distributed.device
+        # resolves to: the reference must not show the CPU's as the one default.
+        json_schema_extra={"default_by_device": True},
     )
     max_batch_wait_ms: int = Field(
         default=200,
@@ -899,8 +1043,24 @@ class DeadLetterConfig(_Strict):
     topic: str | None = Field(
         default=None,
         min_length=1,
-        description="Unset: <kafka.topic>.dlq. Create it like the source topic: while it cannot be written, "
-        "consumption blocks and retries, so no event is lost.",
+        description="Unset: <kafka.topic>.dlq. Created at start with the topic_* settings when missing; if it "
+        "cannot be, the worker exits 8 with the command that creates it. While it cannot be written, consumption "
+        "blocks and retries, so no event is lost.",
+    )
+    topic_partitions: int = Field(
+        default=1, gt=0, description="The dead-letter topic's partitions, when the worker creates it."
+    )
+    topic_replication_factor: int | None = Field(
+        default=None,
+        gt=0,
+        description="The dead-letter topic's replication factor, when the worker creates it. Unset: the larger of "
+        "the cluster's default.replication.factor and kafka.topic's replication factor.",
+    )
+    topic_retention_seconds: float | None = Field(
+        default=None,
+        gt=0,
+        description="The dead-letter topic's retention (retention.ms), when the worker creates it. Unset: the "
+        "cluster's default (log.retention.hours, 7 days unless changed).",
     )
     delivery_timeout_seconds: float = Field(
         default=30.0,
@@ -937,8 +1097,15 @@ class DeliveryConfig(_Strict):
     topic: str | None = Field(
         default=None,
         min_length=1,
-        description="The delta topic on kafka.bootstrap_servers; unset: <kafka.topic>.model, created with one "
-        "partition when missing.",
+        description="The delta topic on kafka.bootstrap_servers; unset: <kafka.topic>.model. Created at start when "
+        "missing, with one partition and a retention reaching back to the oldest kept base; if it cannot be, the "
+        "worker exits 8 with the command that creates it.",
+    )
+    topic_replication_factor: int | None = Field(
+        default=None,
+        gt=0,
+        description="The delta topic's replication factor, when the worker creates it. Unset: the larger of the "
+        "cluster's default.replication.factor and kafka.topic's replication factor.",
     )
     directory: str | None = Field(
         default=None,
@@ -1054,14 +1221,17 @@ class WorkerConfig(_Strict):
             owners = {t.shares_table_with or t.name for t in (candidate, history)}
             if len(owners) == 1:  # one table: a row is one id for both
                 continue
-            # Managed rows are given per table as ids arrive, so equal rows of two tables are unrelated ids.
+            # Managed rows are given per table as ids arrive, so equal rows of two tables are unrelated ids,
+            # and a managed table is shared by no other feature.
             same_mapping = candidate.id_mapping == history.id_mapping != "managed"
             if not same_mapping or candidate.num_embeddings != history.num_embeddings:
+                managed = "managed" in (candidate.id_mapping, history.id_mapping)
+                share = "" if managed else f", or set features.tables: shares_table_with on {match.history!r}"
                 raise ValueError(
                     f"{where}: {match.candidate!r} ({candidate.id_mapping}, {candidate.num_embeddings} rows) and "
                     f"{match.history!r} ({history.id_mapping}, {history.num_embeddings} rows) map ids to rows "
                     f"differently, so equal rows would not mean equal ids; give them the same num_embeddings and "
-                    f"id_mapping (not managed), or set features.tables: shares_table_with on {match.history!r}"
+                    f"id_mapping (hash or modulo: a managed table gives rows per table){share}"
                 )
         return self
 
@@ -1097,8 +1267,8 @@ class WorkerConfig(_Strict):
 
     def checkpoint_path_for_delivery(self) -> str:
         """checkpoint.path, which delivery needs. Asked when the worker starts, not when the config
-        is parsed: the reference config has delivery on and leaves checkpoint.path to the
-        deployment, and ``streamtrain plan`` and the benchmarks read it without either."""
+        is parsed: ``streamtrain plan`` and the benchmarks read configs with delivery on and
+        checkpoint.path removed or unset."""
         if not self.checkpoint.path:
             raise ConfigError(
                 "invalid worker configuration:\n  delivery.enabled needs checkpoint.path: bases are exported "
@@ -1106,6 +1276,25 @@ class WorkerConfig(_Strict):
                 "(STREAMTRAIN_CHECKPOINT__PATH) or delivery.enabled: false (STREAMTRAIN_DELIVERY__ENABLED=false)"
             )
         return self.checkpoint.path
+
+    def check_clients(self) -> None:
+        """Builds every client's properties as the worker will, secrets read from their files, and
+        has librdkafka and the registry client check them, connecting to nothing: a refusal is a
+        ConfigError naming the section, at start-up rather than at the first connection. The
+        dead-letter and delta producers take kafka's properties."""
+        problems = []
+        refusal = librdkafka_refusal({"broker.address.family": "v4", **self.kafka.client_properties()})
+        if refusal is not None:
+            problems.append(f"  kafka.client_config: librdkafka refuses the client properties: {refusal}")
+        registry = self.features.schema_registry
+        if registry is not None and not registry.url.startswith("mock://"):
+            refusal = registry_client_refusal(registry.client_properties(), registry.url)
+            if refusal is not None:
+                problems.append(
+                    f"  features.schema_registry.client_config: the registry client refuses them: {refusal}"
+                )
+        if problems:
+            raise ConfigError("invalid worker configuration:\n" + "\n".join(problems))
 
     def learning_rate_scales(self, world_size: int) -> tuple[float, float]:
         """What model.sparse_learning_rate and model.dense_learning_rate are multiplied by at
@@ -1153,7 +1342,7 @@ def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict
         raise ConfigError("invalid worker configuration:\n" + "\n".join(unknown))
     for name in names:
         value = environ[name]
-        path = name[len(ENV_PREFIX) :].lower().split("__")
+        path = _property_named(name[len(ENV_PREFIX) :].lower().split("__"))
         node: Any = merged
         for i, key in enumerate(path):
             last = i == len(path) - 1
@@ -1165,12 +1354,27 @@ def apply_env_overrides(raw: dict[str, Any], environ: Mapping[str, str]) -> dict
             elif not isinstance(node, dict):
                 raise ConfigError(f"{name}: {'.'.join(path[:i])} is not a section")
             if last:
-                node[slot] = yaml.safe_load(value) if value else value
+                # librdkafka reads every property as text: 1000 stays "1000", true stays "true"
+                as_text = not value or (path[0] == "kafka" and path[1] in _PROPERTY_MAPS)
+                node[slot] = value if as_text else yaml.safe_load(value)
             else:
                 if isinstance(node, dict) and slot not in node:
                     node[slot] = {}
                 node = node[slot]
     return merged
+
+
+_PROPERTY_MAPS = ("client_config", "client_config_files")
+
+
+def _property_named(path: list[str]) -> list[str]:
+    """``path`` with a client property's name joined by dots: in a variable, each dot of a
+    property under client_config or client_config_files is written __ (a shell cannot export a
+    name with a dot), so CLIENT_CONFIG__SASL__MECHANISM sets sasl.mechanism."""
+    for i, key in enumerate(path[:-1]):
+        if key in _PROPERTY_MAPS:
+            return [*path[: i + 1], ".".join(path[i + 1 :])]
+    return path
 
 
 def _not_a_field(path: list[str]) -> str | None:

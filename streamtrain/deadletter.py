@@ -5,7 +5,9 @@ timestamp and headers as read, plus headers saying why and where it came from. T
 thread calls ``write`` before it hands over the batch whose positions cover those events, so a
 position the trainer records (and later commits or snapshots) never covers an event that is in
 neither the model nor the dead-letter topic. A write that fails is retried with exponential
-backoff for as long as it takes: consumption blocks, loudly, and the event is never dropped.
+backoff for as long as it takes: consumption blocks, loudly, and the event is never dropped. The
+topic is made sure of at start (``dead_letter_topic``, ``streamtrain.topics``); one deleted while
+the worker runs is created again, with the same settings, at the first write that finds it gone.
 Delivery is at least once: a retried or re-read event can reach the topic twice; the source
 headers identify it.
 
@@ -22,12 +24,12 @@ from collections import Counter, deque
 from collections.abc import Callable
 
 from confluent_kafka import KafkaError, KafkaException, Producer
-from confluent_kafka.admin import AdminClient
 
 from streamtrain.config import DeadLetterConfig, KafkaConfig
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.retry import Backoff, retry
 from streamtrain.source import KAFKA_LOG, RawEvent
+from streamtrain.topics import NO_AUTO_CREATE, OutputTopic, OutputTopicMissing, ensure_topics
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,19 @@ def reason_code(reason: str) -> str:
     return reason.split(":", 1)[0].strip()
 
 
+def dead_letter_topic(config: DeadLetterConfig, kafka: KafkaConfig) -> OutputTopic:
+    """The dead-letter topic, as the worker creates it."""
+    retention = config.topic_retention_seconds
+    return OutputTopic(
+        config.resolved_topic(kafka.topic),
+        "dead-letter",
+        "dead_letter.topic",
+        config.topic_partitions,
+        config.topic_replication_factor,
+        {"retention.ms": str(int(retention * 1000))} if retention is not None else {},
+    )
+
+
 class DeadLetterWriter:
     """Writes rejected events to ``dead_letter.topic`` (default ``<kafka.topic>.dlq``) with an
     idempotent producer (acks=all) that uses the consumer's client properties (security)."""
@@ -60,7 +75,8 @@ class DeadLetterWriter:
         self.kafka = kafka
         self.metrics = metrics
         self.source_topic = kafka.topic
-        self.topic = config.resolved_topic(kafka.topic)
+        self.output_topic = dead_letter_topic(config, kafka)
+        self.topic = self.output_topic.name
         self._fatal: KafkaError | None = None
         self.brokers_down = False  # since the producer said so, until it writes again; /readyz reads it
         self._producer = self._new_producer()
@@ -76,6 +92,7 @@ class DeadLetterWriter:
                 **self.kafka.librdkafka(),
                 "error_cb": self._client_error,
                 "logger": KAFKA_LOG,
+                **NO_AUTO_CREATE,
                 "enable.idempotence": True,
                 "acks": "all",
                 "partitioner": "murmur2_random",  # the Java client's: one key, one dead-letter partition
@@ -93,36 +110,6 @@ class DeadLetterWriter:
         if error.code() == KafkaError._ALL_BROKERS_DOWN:
             self.brokers_down = True
         log.warning("Kafka dead-letter producer: %s", error.str())
-
-    def check_topic(self, timeout: float = 10.0) -> None:
-        """Says at start-up where dead letters go, and loudly if that topic cannot take them now."""
-        admin = AdminClient({"broker.address.family": "v4", **self.kafka.librdkafka(), "logger": KAFKA_LOG})
-        try:
-            topic = admin.list_topics(self.topic, timeout=timeout).topics.get(self.topic)
-            problem = (
-                None
-                if topic is not None and topic.error is None and topic.partitions
-                else (topic.error.str() if topic is not None and topic.error is not None else "it does not exist")
-            )
-        except KafkaException as error:
-            problem = f"its metadata could not be read: {error}"
-        if problem is None:
-            log.info(
-                "events that cannot be decoded go to the dead-letter topic %s (%d partitions), with "
-                "header %s saying why",
-                self.topic,
-                len(topic.partitions),
-                HEADER_REASON,
-            )
-        else:
-            log.error(
-                "the dead-letter topic %s cannot take events (%s): the first event that cannot be decoded "
-                "will block consumption of %s until it can; create it like the source topic, or set "
-                "dead_letter.topic",
-                self.topic,
-                problem,
-                self.source_topic,
-            )
 
     def write(self, rejected: list[tuple[RawEvent, str]], stopping: threading.Event) -> bool:
         """Produces every rejected event and waits until each is acknowledged by all in-sync
@@ -175,6 +162,9 @@ class DeadLetterWriter:
                 log.error("the dead-letter producer failed fatally (%s); starting a new one", self._fatal.str())
                 self._producer.purge()
                 self._producer = self._new_producer()
+            # A deleted topic fails a write in several ways (unknown topic or partition, or a plain
+            # timeout while librdkafka waits for its metadata): after any failure, look.
+            self._create_topic_if_gone()
 
         try:
             written = retry(
@@ -201,6 +191,15 @@ class DeadLetterWriter:
                 self.source_topic,
             )
         return written
+
+    def _create_topic_if_gone(self) -> None:
+        """A topic deleted while the worker runs is created again, as at start (one metadata
+        request; the retries' backoff bounds how often)."""
+        try:
+            if ensure_topics(self.kafka, [self.output_topic], self.config.delivery_timeout_seconds, say_existing=False):
+                log.warning("the dead-letter topic %s was gone while the worker ran: created it again", self.topic)
+        except OutputTopicMissing as error:
+            log.error("%s", error)
 
     def _attempt(
         self, pending: list[tuple[RawEvent, str]], stopping: threading.Event
@@ -373,7 +372,11 @@ class Rejections:
         if config.enabled:
             self.writer = DeadLetterWriter(config, kafka, metrics)
             if rank == 0:
-                self.writer.check_topic()
+                log.info(
+                    "events that cannot be decoded go to the dead-letter topic %s, with header %s saying why",
+                    self.writer.topic,
+                    HEADER_REASON,
+                )
         elif rank == 0:
             log.warning(
                 "dead_letter.enabled is false: events that cannot be decoded are logged, counted in "

@@ -46,6 +46,22 @@ def sync_folder(fs: fsspec.AbstractFileSystem, folder: str) -> None:
         _fsync(directory, directory=True)
 
 
+def make_folder(fs: fsspec.AbstractFileSystem, folder: str) -> None:
+    """Create ``folder`` and any missing parents, each created name made durable in its parent
+    (files published inside it later fsync the folder itself, not the entry that names it)."""
+    if not _local(fs):
+        fs.makedirs(folder, exist_ok=True)
+        return
+    missing = []
+    path = os.path.abspath(folder)
+    while not os.path.isdir(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    fs.makedirs(folder, exist_ok=True)
+    for created in reversed(missing):
+        _fsync(_parent(created), directory=True)
+
+
 def publish_folder(fs: fsspec.AbstractFileSystem, temporary: str, final: str) -> None:
     """Make the finished folder ``temporary`` durable and rename it to ``final``, replacing any
     folder there (a replay of the same step or version)."""

@@ -173,8 +173,8 @@ class Evictions:
 class Undo:
     """What one step overwrote in a table's arrays, to take the step back on a copy of them (the
     map at the cut): per write the array's name, the rows (or sketch cells) and their old values;
-    per halving the columns halved and the low bits it dropped, packed. A step's undo is about 8 to
-    17 bytes per distinct id it saw, held while its batch is in flight."""
+    per halving the columns halved and the low bits it dropped, packed. A step's undo is about 12 to
+    27 bytes per distinct id it saw, held while its batch is in flight."""
 
     # (name, rows, old values) per write; (name, columns, packed low bits) per halving
     writes: list[tuple[str, np.ndarray | slice, np.ndarray]] = field(default_factory=list)
@@ -187,8 +187,9 @@ class Undo:
 
     def record(self, name: str, rows: np.ndarray, old: np.ndarray) -> None:
         """Record that ``rows`` of array ``name`` held ``old`` (a copy) before a write; a row may
-        appear more than once, with the value it held before each write."""
-        self.writes.append((name, rows.astype(np.int32), old))
+        appear more than once, with the value it held before each write. The positions keep their
+        dtype: a sketch's flat cell numbers pass 2**31 once it holds that many cells."""
+        self.writes.append((name, rows.copy(), old))
 
     def halve(self, arrays: TableArrays, name: str, columns: slice = slice(None)) -> None:
         """Halve array ``name``, or only its ``columns`` (one bucket's sketch cells, in each hash row)."""

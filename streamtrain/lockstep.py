@@ -218,23 +218,25 @@ class SnapshotSchedule:
         checkpointer: Checkpointer | None,
         restored: StreamState | None,
         start_offsets: dict[int, int],
-        partitions: list[int],
         commit: Callable[[dict[int, int]], None],
         clock: Callable[[], float] = time.monotonic,
     ):
-        """``commit`` hands positions to the consumer group from the training thread (the
-        prefetcher forwards them); ``close`` takes the direct commit once that thread has stopped."""
+        """``start_offsets``: where this rank's partitions start. Partitions it picks up later enter
+        the state with their first trained batch; a snapshot that does not know a partition makes
+        a restored worker read it from its beginning. ``commit`` hands positions to the consumer
+        group from the training thread (the prefetcher forwards them); ``close`` takes the direct
+        commit once that thread has stopped."""
         self.config = config
         self.checkpointer = checkpointer
-        self.partitions = partitions
         self.commit = commit
         self.clock = clock
         base = restored or StreamState()
         self.base_step = base.step
+        self.base_trained = base.trained
         self.state = StreamState(
             step=base.step,
             next_offsets=dict(start_offsets),
-            trained={p: base.trained.get(p, 0) for p in partitions},
+            trained={p: base.trained.get(p, 0) for p in start_offsets},
             event_time_high_water_ms=base.event_time_high_water_ms,
         )
         self.requested = threading.Event()  # set from a signal handler
@@ -267,7 +269,7 @@ class SnapshotSchedule:
         state.step = self.base_step + step
         for partition, span in batch.spans.items():
             state.next_offsets[partition] = span.next_offset
-            state.trained[partition] = state.trained.get(partition, 0) + span.events
+            state.trained[partition] = state.trained.get(partition, self.base_trained.get(partition, 0)) + span.events
         if batch.size:
             newest = min(int(batch.event_time_ms.max()), self.config.features.event_time_bound_ms())
             state.event_time_high_water_ms = max(state.event_time_high_water_ms, newest)
@@ -305,4 +307,5 @@ class SnapshotSchedule:
     def _committed(self, stream: StreamState | None, commit: Callable[[dict[int, int]], None]) -> None:
         if stream is None:  # the save failed: the group hears nothing new
             return
-        commit({p: o for p, o in stream.next_offsets.items() if p in self.partitions})
+        # The snapshot holds every rank's partitions; this rank's are those of its own state.
+        commit({p: o for p, o in stream.next_offsets.items() if p in self.state.next_offsets})

@@ -338,6 +338,18 @@ class WorkerMetrics:
         self.consumed_bytes = Counter(
             "streamtrain_consumed_bytes", "Payload bytes read from Kafka.", tp, registry=registry
         )
+        self.topic_partitions = Gauge(
+            "streamtrain_topic_partitions",
+            "Partitions of the topic, as this rank last saw its metadata.",
+            ["topic"],
+            registry=registry,
+        )
+        self.partitions_picked_up = Counter(
+            "streamtrain_partitions_picked_up_total",
+            "Partitions added to the topic while the worker ran that this rank began reading.",
+            ["topic"],
+            registry=registry,
+        )
         self.kafka_errors = Counter(
             "streamtrain_kafka_errors", "Errors reported by the Kafka client, by code.", ["code"], registry=registry
         )
@@ -419,12 +431,23 @@ class WorkerMetrics:
         # Until a snapshot is restored or committed, its age counts from the start, so a fresh
         # worker is not "three intervals late" at once.
         self.checkpoint_last_success.set(time.time())
+        # What StreamtrainCheckpointStale measures the age against; 0 (ignored) without checkpoint.path.
+        self.checkpoint_interval = Gauge(
+            "streamtrain_checkpoint_interval_seconds",
+            "checkpoint.interval_seconds: how often a snapshot is due; 0 without checkpoint.path.",
+            registry=registry,
+        )
         self.checkpoint_failures = Counter(
             "streamtrain_checkpoint_failures", "Snapshots that failed to write.", registry=registry
         )
         self.checkpoint_retention_failures = Counter(
             "streamtrain_checkpoint_retention_failures",
             "Old snapshots that retention could not remove (the commit before it stands).",
+            registry=registry,
+        )
+        self.checkpoint_size_failures = Counter(
+            "streamtrain_checkpoint_size_failures",
+            "Committed snapshots whose size could not be read (the commit stands; the bytes gauge keeps the last).",
             registry=registry,
         )
         self.event_times_clamped = Counter(

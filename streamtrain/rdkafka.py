@@ -10,8 +10,9 @@ alive until their batch is dropped, so the dead-letter path still reads a reject
 timestamp and headers as they came; copying those out of every message costs more than the rest
 (librdkafka allocates to find that a message has no headers).
 
-The forwarding must happen before ``Consumer.assign``: librdkafka never overrides a forward the
-application set, but whatever it fetched before lies in the consumer's queue already. That queue
+The forwarding must happen before ``Consumer.assign`` (or ``incremental_assign``, for partitions
+added to the topic later): librdkafka never overrides a forward the application set, but whatever
+it fetched before lies in the consumer's queue already. That queue
 keeps everything else (the error callback, librdkafka's logs), served by ``Consumer.poll`` as
 before; confluent-kafka's callbacks must run inside its own calls, which is why the consumer's
 queue itself cannot be read here.
@@ -278,15 +279,26 @@ class FetchQueue:
         self.destroy_address: int = ctypes.cast(lib.rd_kafka_message_destroy, _VOIDP).value or 0
         # Serializes reading the queue, reading a message and destroying them, against close().
         self.lock = threading.RLock()
+        self._handle = handle
+        self._topic = topic
         self._queue: int | None = lib.rd_kafka_queue_new(handle)
         self._live: weakref.WeakSet[FetchedMessages] = weakref.WeakSet()
-        for partition in partitions:
-            fetch_queue = lib.rd_kafka_queue_get_partition(handle, topic.encode(), partition)
-            if not fetch_queue:
-                self.close()
-                raise LookupError(f"librdkafka does not know {topic} [{partition}]")
-            lib.rd_kafka_queue_forward(fetch_queue, self._queue)
-            lib.rd_kafka_queue_destroy(fetch_queue)  # the forward holds it
+        try:
+            self.forward(partitions)
+        except LookupError:
+            self.close()
+            raise
+
+    def forward(self, partitions: Sequence[int]) -> None:
+        """Makes this queue take the fetched messages of ``partitions`` too; call it before they are
+        assigned (also for partitions added to the topic later)."""
+        with self.lock:
+            for partition in partitions:
+                fetch_queue = self.lib.rd_kafka_queue_get_partition(self._handle, self._topic.encode(), partition)
+                if not fetch_queue:
+                    raise LookupError(f"librdkafka does not know {self._topic} [{partition}]")
+                self.lib.rd_kafka_queue_forward(fetch_queue, self._queue)
+                self.lib.rd_kafka_queue_destroy(fetch_queue)  # the forward holds it
 
     @classmethod
     def attach(cls, consumer: confluent_kafka.Consumer, topic: str, partitions: Sequence[int]) -> FetchQueue | None:

@@ -21,6 +21,8 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from confluent_kafka.admin import ClusterMetadata
 
 from streamtrain.config import KafkaConfig
+from streamtrain.exitcodes import ExitCode
+from streamtrain.launch import exit_if_orphaned
 from streamtrain.rdkafka import FetchedMessage, FetchQueue
 from streamtrain.retry import Backoff, retry
 
@@ -28,15 +30,16 @@ log = logging.getLogger(__name__)
 # librdkafka's own log lines, at their levels, instead of raw lines on stderr.
 KAFKA_LOG = logging.getLogger("streamtrain.kafka")
 
-EXIT_UNREACHABLE = 4
-EXIT_LOGIN_REFUSED = 5
+# A request while looking for new partitions that takes longer is given up, and asked again at the
+# next look.
+DISCOVERY_TIMEOUT_SECONDS = 5.0
 
 
 class KafkaUnavailable(RuntimeError):
     """Kafka cannot be read at all: no broker answered at start-up, or the brokers refused the login.
     ``exit_code`` is what the worker exits with (docs/operating.md, Exit codes)."""
 
-    def __init__(self, message: str, exit_code: int):
+    def __init__(self, message: str, exit_code: ExitCode):
         super().__init__(message)
         self.exit_code = exit_code
 
@@ -218,6 +221,14 @@ class KafkaSource:
 
     ``until_end`` captures each partition's end offset at start-up; once every partition has been
     read up to it, ``exhausted`` turns true. ``max_events`` bounds the total read instead.
+
+    Partitions added to the topic while it runs are found by ``pick_up_new_partitions`` and read by
+    the rank the same rule names, from their beginning: their events are all new, whatever
+    ``kafka.start_at`` says (where ``start_offsets`` or the group's committed offsets know one, from
+    there, so a position that was trained is never read again). Each rank picks up its own without
+    asking the others: which rank reads a partition follows from its number alone, and a rank that
+    sees the growth later only trains its new partitions later. ``until_end`` reads the partitions
+    it started with.
     """
 
     def __init__(
@@ -235,6 +246,10 @@ class KafkaSource:
     ):
         self.config = config
         self.topic = config.topic
+        self.rank = rank
+        self.world_size = world_size
+        self.restored = start_offsets
+        self.committed = committed
         self.on_error = on_error
         self.brokers_down = False
         self.login_refused: str | None = None
@@ -246,7 +261,9 @@ class KafkaSource:
             reason = topic_meta.error if topic_meta is not None else "absent"
             raise KafkaException(f"topic {self.topic!r} is not readable at {config.bootstrap_servers}: {reason}")
         all_partitions = sorted(topic_meta.partitions)
+        self.topic_partitions = len(all_partitions)  # as this rank last saw the topic
         self.partitions = [p for p in all_partitions if p % world_size == rank]
+        self.next_discovery = time.monotonic() + config.partition_discovery_seconds
         if rank == 0 and len(all_partitions) < world_size:
             log.warning(
                 "%s has %d partitions for %d ranks: ranks %d..%d own none and only take part in the collectives",
@@ -276,7 +293,7 @@ class KafkaSource:
         elif committed:
             origin = "the group's committed offsets, else the earliest"
             starts = retry(
-                lambda: self.consumer.committed([TopicPartition(self.topic, p) for p in self.partitions], timeout=5),
+                lambda: self._committed_offsets(self.partitions),
                 Backoff(initial=0.5, maximum=0.5, timeout=metadata_timeout),
                 retry_on=KafkaException,
                 retriable=_not_ready_yet,
@@ -287,27 +304,12 @@ class KafkaSource:
         else:
             origin = "the earliest offsets"
             starts = [TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in self.partitions]
-        assignment = []
-        for tp in starts:
-            start = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
-            assignment.append(TopicPartition(self.topic, tp.partition, start))
-            if start == OFFSET_BEGINNING:
-                start, _high = self.consumer.get_watermark_offsets(tp, timeout=metadata_timeout)
-            self.next_offset[tp.partition] = start
-            if until_end:
-                _low, self.end_offset[tp.partition] = self.consumer.get_watermark_offsets(
-                    tp, timeout=metadata_timeout, cached=False
-                )
         self.until_end = until_end
         self.max_events = max_events
         self.consumed = 0
-        # Before the assignment starts fetching: see streamtrain.rdkafka.
-        self.fetch_queue = (
-            FetchQueue.attach(self.consumer, self.topic, self.partitions)
-            if self.partitions and config.fetch_queue
-            else None
-        )
-        self.consumer.assign(assignment)
+        self.fetch_queue: FetchQueue | None = None
+        self.reads_fetch_queue = config.fetch_queue  # until FetchQueue.attach refuses this consumer
+        self._assign(starts, self.consumer.assign, metadata_timeout)
         log.info(
             "rank %d/%d owns partitions %s of %s (of %d); starting at %s (%s)",
             rank,
@@ -318,6 +320,86 @@ class KafkaSource:
             self.next_offset,
             origin,
         )
+
+    def _assign(
+        self, starts: list[TopicPartition], assign: Callable[[list[TopicPartition]], None], timeout: float
+    ) -> None:
+        """Reads each partition of ``starts`` from its offset there (none: its earliest), through
+        ``assign``: the consumer's assign at start, incremental_assign for partitions added later.
+        ``timeout`` bounds each offset request."""
+        assignment = []
+        for tp in starts:
+            start = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+            assignment.append(TopicPartition(self.topic, tp.partition, start))
+            if start == OFFSET_BEGINNING:
+                start, _high = self.consumer.get_watermark_offsets(tp, timeout=timeout)
+            self.next_offset[tp.partition] = start
+            if self.until_end:
+                _low, self.end_offset[tp.partition] = self.consumer.get_watermark_offsets(
+                    tp, timeout=timeout, cached=False
+                )
+        # Before the assignment starts fetching: see streamtrain.rdkafka.
+        partitions = [tp.partition for tp in starts]
+        if self.reads_fetch_queue and partitions:
+            if self.fetch_queue is None:
+                self.fetch_queue = FetchQueue.attach(self.consumer, self.topic, partitions)
+                self.reads_fetch_queue = self.fetch_queue is not None
+            else:
+                self.fetch_queue.forward(partitions)
+        assign(assignment)
+
+    def _committed_offsets(self, partitions: list[int], timeout: float = 5.0) -> list[TopicPartition]:
+        return self.consumer.committed([TopicPartition(self.topic, p) for p in partitions], timeout=timeout)
+
+    def pick_up_new_partitions(self) -> list[int]:
+        """Looks for partitions added to the topic, at most every ``kafka.partition_discovery_seconds``
+        (one metadata request), and starts reading this rank's; returns those. Called by the thread
+        that polls. A look that fails (the brokers are down) is tried again at the next."""
+        interval = self.config.partition_discovery_seconds
+        if not interval or self.brokers_down or time.monotonic() < self.next_discovery:
+            return []
+        self.next_discovery = time.monotonic() + interval
+        try:
+            found = self.consumer.list_topics(self.topic, timeout=DISCOVERY_TIMEOUT_SECONDS).topics.get(self.topic)
+            if found is None or found.error is not None or len(found.partitions) <= self.topic_partitions:
+                return []
+            mine = [
+                p for p in sorted(found.partitions) if p >= self.topic_partitions and p % self.world_size == self.rank
+            ]
+            if mine and not self.until_end:
+                # A request that outlasts the look's bound (a new partition's leader not elected yet)
+                # leaves the polling thread free: the next look tries again.
+                self._assign(self._later_starts(mine), self.consumer.incremental_assign, DISCOVERY_TIMEOUT_SECONDS)
+        except KafkaException as error:
+            log.warning(
+                "looking for partitions added to %s failed (%s); looking again in %gs", self.topic, error, interval
+            )
+            return []
+        if not mine:
+            reads = "none of them"
+        elif self.until_end:
+            reads = "none of them: --until-end reads the partitions it started with, the next run reads them"
+        else:
+            reads = ", ".join(f"{p} from offset {self.next_offset[p]}" for p in mine)
+        log.info(
+            "topic %s grew from %d to %d partitions; rank %d reads %s",
+            self.topic, self.topic_partitions, len(found.partitions), self.rank, reads,
+        )  # fmt: skip
+        self.topic_partitions = len(found.partitions)
+        if self.until_end:
+            return []
+        self.partitions = sorted(self.partitions + mine)
+        return mine
+
+    def _later_starts(self, partitions: list[int]) -> list[TopicPartition]:
+        """Where partitions added while running start: at a restored snapshot's or the group's
+        position if it knows one (the start-up metadata may have missed a partition it trained),
+        else at their beginning."""
+        if self.restored is not None:
+            return [TopicPartition(self.topic, p, self.restored.get(p, OFFSET_BEGINNING)) for p in partitions]
+        if self.committed:
+            return self._committed_offsets(partitions, DISCOVERY_TIMEOUT_SECONDS)
+        return [TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in partitions]
 
     def _positions_at(self, position: Literal["earliest", "latest"] | int, timeout: float) -> list[TopicPartition]:
         """Each owned partition's offset for ``kafka.start_at``: its earliest, its end, or its first
@@ -362,12 +444,12 @@ class KafkaSource:
                 raise KafkaUnavailable(
                     f"the Kafka brokers at {self.config.bootstrap_servers} refused the login: "
                     f"{self.login_refused}; check kafka.client_config and client_config_files",
-                    EXIT_LOGIN_REFUSED,
+                    ExitCode.LOGIN_REFUSED,
                 ) from error
             raise KafkaUnavailable(
                 f"no Kafka broker at {self.config.bootstrap_servers} answered within {timeout:.0f}s "
                 f"(kafka.connect_timeout_seconds): {error.args[0].str()}",
-                EXIT_UNREACHABLE,
+                ExitCode.KAFKA_UNREACHABLE,
             ) from error
 
     def _client_error(self, error: KafkaError) -> None:
@@ -429,7 +511,10 @@ class KafkaSource:
         if self.until_end and len(events):
             events = self._before_end(events)
         for partition in partitions_in(events.partitions):
-            self.next_offset[partition] = int(events.offsets[events.partitions == partition].max()) + 1
+            # max: a partition's EOF, met while filtering this same batch, may already lie past its
+            # last message (a transaction's marker follows it).
+            last = int(events.offsets[events.partitions == partition].max())
+            self.next_offset[partition] = max(self.next_offset[partition], last + 1)
         self.consumed += len(events)
         return events
 
@@ -485,6 +570,7 @@ class KafkaSource:
 
     def commit(self, next_offsets: dict[int, int]) -> None:
         """Record trained positions in the consumer group, for lag dashboards; never blocks."""
+        exit_if_orphaned("committing offsets")  # a replacement worker may be committing by now
         if next_offsets:
             self.consumer.commit(
                 offsets=[TopicPartition(self.topic, p, o) for p, o in next_offsets.items()], asynchronous=True

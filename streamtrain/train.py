@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
-from torchrec import JaggedTensor, KeyedJaggedTensor
+from torchrec import EmbeddingBagCollection, JaggedTensor, KeyedJaggedTensor
 from torchrec.distributed import DistributedModelParallel, comm_ops
 from torchrec.distributed import embedding as torchrec_embedding
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
@@ -39,7 +39,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-from streamtrain.config import WorkerConfig
+from streamtrain.config import ConfigError, WorkerConfig
 from streamtrain.decode import ClickBatch
 from streamtrain.device import (
     GATHER_SUM_MAX_BYTES,
@@ -242,7 +242,47 @@ def plan_sharding(
         constraints=_constraints(config),
     )
     plan = planner.collective_plan(model, sharders(), pg) if pg is not None else planner.plan(model, sharders())
+    refuse_unbuildable_shards(model, plan, config)
     return model, plan
+
+
+# fbgemm's table-batched kernels take only shards whose width is a multiple of 4: TorchRec 1.8
+# asserts it (``_assert_local_cols_divisible_by_4``) when it builds a pooled table on any kernel but
+# dense (fused, fused_uvm and fused_uvm_caching are one fbgemm kernel), and an unpooled one on a
+# key-value kernel; its unpooled fused kernel has no such rule. A shard is the table's whole width
+# (table_wise, row_wise, table_row_wise) or the planner's column cut (column_wise,
+# table_column_wise); data_parallel replicas run on the dense kernel.
+_KEY_VALUE_KERNELS = {"key_value", "ssd_virtual_table", "dram_virtual_table", "dram_ssd_virtual_table"}
+
+
+def refuse_unbuildable_shards(model: torch.nn.Module, plan: ShardingPlan, config: WorkerConfig) -> None:
+    """Refuses, as a bad config (exit 2) and before any rank builds it, a plan that puts a shard
+    TorchRec cannot build on its kernel: one whose width is not a multiple of 4 on fbgemm's kernels.
+    It would pass the planner and fail at start-up with an AssertionError (exit 1)."""
+    index = {t.name: i for i, t in enumerate(config.features.tables)}
+    problems = []
+    for path, tables in plan.plan.items():
+        pooled = isinstance(model.get_submodule(path), EmbeddingBagCollection)
+        for name, sharding in tables.items():
+            kernel = sharding.compute_kernel
+            if not ((pooled and kernel != "dense") or kernel in _KEY_VALUE_KERNELS):
+                continue
+            table = config.features.tables[index[name]]
+            spec = sharding.sharding_spec
+            widths = [s.shard_sizes[1] for s in spec.shards] if spec is not None else [table.embedding_dim]
+            if all(width % 4 == 0 for width in widths):
+                continue
+            dense = (
+                "" if table.id_mapping == "managed" else ", or keep it on the dense kernel (compute_kernels: [dense])"
+            )
+            field, variable = f"features.tables.{index[name]}.embedding_dim", f"TABLES__{index[name]}__EMBEDDING_DIM"
+            problems.append(
+                f"{field}: {name} is {table.embedding_dim} wide, and the planner put it {sharding.sharding_type} on "
+                f"fbgemm's {kernel} kernel in shards {widths} wide, which that kernel takes only in multiples of 4; "
+                f"set embedding_dim to a multiple of 4{dense} (STREAMTRAIN_FEATURES__{variable})"
+            )
+    if problems:
+        raise ConfigError("invalid worker configuration:\n  " + "\n  ".join(problems))
 
 
 # A managed table's evicted rows are reset inside fbgemm's fused kernels (idspace.RowResetter):

@@ -17,23 +17,20 @@ import numpy as np
 import torch.distributed as dist
 
 from streamtrain.batch import Prefetcher
-from streamtrain.checkpoint import (
-    EXIT_RESTORE_REFUSED,
-    EXIT_SNAPSHOTS_FAILING,
-    Checkpointer,
-    RestoreRefused,
-    SnapshotsFailing,
-)
+from streamtrain.checkpoint import Checkpointer, RestoreRefused, SnapshotsFailing
 from streamtrain.config import WorkerConfig
-from streamtrain.deadletter import Rejections
+from streamtrain.deadletter import Rejections, dead_letter_topic
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.artifact import check_exportable
-from streamtrain.delivery.publisher import Publisher
+from streamtrain.delivery.publisher import Publisher, delta_topic
 from streamtrain.device import decode_threads, gloo_group, init_distributed
+from streamtrain.exitcodes import ExitCode
+from streamtrain.launch import record_exit
 from streamtrain.lockstep import Lockstep, SnapshotSchedule
 from streamtrain.metrics import Health, WorkerMetrics
 from streamtrain.registry import schema_source
 from streamtrain.source import KafkaSource
+from streamtrain.topics import OutputTopicMissing, ensure_topics_on_every_rank
 from streamtrain.train import StepResult, Trainer, describe_plan, write_plan_json
 
 log = logging.getLogger(__name__)
@@ -206,18 +203,23 @@ def run_worker(
     """
     if config.delivery.enabled:
         config.checkpoint_path_for_delivery()  # refused before anything starts
+    config.check_clients()  # so are client properties librdkafka or the registry client refuse
     shutdown = _Shutdown(config.distributed.shutdown_grace_seconds)
+    signals = _Signals(shutdown)
     outcome = _Outcome()
     with contextlib.ExitStack() as resources:
         resources.callback(shutdown.end)  # last: the watchdog bounds every close before it
         try:
             outcome.exit_code = _run(
-                config, resources, shutdown, outcome, until_end, max_events, allow_partial_restore, fresh_start,
-                observers,
+                config, resources, shutdown, signals, outcome, until_end, max_events, allow_partial_restore,
+                fresh_start, observers,
             )  # fmt: skip
         except RestoreRefused as error:  # raised on every rank
             log.error("%s", error)
-            outcome.exit_code = EXIT_RESTORE_REFUSED
+            outcome.exit_code = ExitCode.RESTORE_REFUSED
+        except OutputTopicMissing as error:  # raised on every rank
+            log.error("%s; exiting with code %d", error, error.exit_code)
+            outcome.exit_code = error.exit_code
         finally:
             shutdown.begin()  # a signal or the end of training began it already; else a failure
     for observer in observers:
@@ -236,6 +238,7 @@ def _run(
     config: WorkerConfig,
     resources: contextlib.ExitStack,
     shutdown: _Shutdown,
+    signals: _Signals,
     outcome: _Outcome,
     until_end: bool,
     max_events: int | None,
@@ -305,6 +308,14 @@ def _run(
         on_error=lambda code: metrics.kafka_errors.labels(code).inc(),
     )
     resources.callback(source.close)
+    # Before anything is trained: a topic the worker writes that cannot be made is refused now, not
+    # at the first dead letter or delta, hours later.
+    output_topics = [dead_letter_topic(config.dead_letter, config.kafka)] if config.dead_letter.enabled else []
+    if config.delivery.enabled and not config.delivery.directory:
+        output_topics.append(delta_topic(config.delivery, config.kafka))
+    ensure_topics_on_every_rank(
+        config.kafka, output_topics, config.kafka.connect_timeout_seconds, env.rank, env.world_size, own_group()
+    )
     health.ready = True  # the state is restored and the broker answered the source's metadata request
     health.not_ready_reason = "the Kafka brokers are down"
     decoder = AvroBatchDecoder(
@@ -321,9 +332,7 @@ def _run(
     prefetcher = Prefetcher(
         source, decoder, config.batching, metrics, rejections, config.metrics.lag_refresh_seconds, device=env.device
     )
-    snapshots = SnapshotSchedule(
-        config, checkpointer, restored, source.next_offset, source.partitions, commit=prefetcher.commits.offer
-    )
+    snapshots = SnapshotSchedule(config, checkpointer, restored, source.next_offset, commit=prefetcher.commits.offer)
     publisher = None
     if checkpointer and config.delivery.enabled:
         publisher = Publisher(
@@ -353,7 +362,7 @@ def _run(
         max_events=max_events,
         lookahead=trainer.lookahead,
     )
-    _stop_on_signals(prefetcher, snapshots.request, shutdown)
+    signals.started(prefetcher, snapshots.request)
     progress = _Progress(
         metrics,
         env.rank,
@@ -364,7 +373,7 @@ def _run(
         lag=lambda: prefetcher.lag.total,
         event_time_bound=config.features.event_time_bound_ms,
     )
-    exit_code = 0
+    exit_code = ExitCode.OK
     prefetcher.start()
     try:
         with progress:
@@ -380,7 +389,7 @@ def _run(
                 snapshots.act(agreed)
     except SnapshotsFailing as error:  # raised on every rank at the same step
         log.error("rank %d: %s", env.rank, error)
-        exit_code = EXIT_SNAPSHOTS_FAILING
+        exit_code = ExitCode.SNAPSHOTS_FAILING
     except RuntimeError as error:
         if not _is_collective_failure(error):
             raise
@@ -390,7 +399,7 @@ def _run(
             config.distributed.timeout_seconds,
             str(error).splitlines()[0] if str(error) else error,
         )
-        exit_code = 1
+        exit_code = ExitCode.FAILED
     finally:
         shutdown.begin()  # a signal began it already; else the end of the stream, max_events or a peer's stop
         prefetcher.join(timeout=shutdown.remaining())
@@ -465,20 +474,50 @@ class _Shutdown:
                 return
 
 
-def _stop_on_signals(prefetcher: Prefetcher, request_snapshot: Callable[[], None], shutdown: _Shutdown) -> None:
+class _Signals:
     """SIGTERM/SIGINT: stop consuming, finish the batches in flight, exit, within the shutdown's
-    grace. SIGUSR1: take a snapshot now."""
-    signal.signal(signal.SIGUSR1, lambda *_: request_snapshot())
+    grace. SIGUSR1: take a snapshot now.
 
-    def handle(signum: int, _frame: object) -> None:
-        if prefetcher.stopping.is_set():
+    Installed before anything starts, so a signal that comes while the worker starts (the health
+    probe may already say ready while the first base is exported) is remembered and carried out
+    once it trains, instead of killing the process with the signal's default action."""
+
+    def __init__(self, shutdown: _Shutdown):
+        self.shutdown = shutdown
+        self.prefetcher: Prefetcher | None = None
+        self.request_snapshot: Callable[[], None] | None = None
+        self.stop_requested = False
+        self.snapshot_requested = False
+        signal.signal(signal.SIGUSR1, self._snapshot)
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+
+    def started(self, prefetcher: Prefetcher, request_snapshot: Callable[[], None]) -> None:
+        """The worker is about to train: what was asked for meanwhile happens now."""
+        self.prefetcher, self.request_snapshot = prefetcher, request_snapshot
+        if self.snapshot_requested:
+            request_snapshot()
+        if self.stop_requested:
+            prefetcher.stop()
+
+    def _stop(self, signum: int, _frame: object) -> None:
+        if self.stop_requested or (self.prefetcher is not None and self.prefetcher.stopping.is_set()):
             return
-        log.info("%s received: finishing the batches in flight", signal.Signals(signum).name)
-        shutdown.begin()
-        prefetcher.stop()
+        self.stop_requested = True
+        log.info(
+            "%s received: %s",
+            signal.Signals(signum).name,
+            "finishing the batches in flight" if self.prefetcher else "stopping as soon as the worker has started",
+        )
+        self.shutdown.begin()
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
 
-    signal.signal(signal.SIGTERM, handle)
-    signal.signal(signal.SIGINT, handle)
+    def _snapshot(self, _signum: int, _frame: object) -> None:
+        if self.request_snapshot is not None:
+            self.request_snapshot()
+        else:
+            self.snapshot_requested = True
 
 
 def _give_up(grace: float) -> None:
@@ -486,4 +525,5 @@ def _give_up(grace: float) -> None:
         "shutdown did not finish within %gs (distributed.shutdown_grace_seconds); exiting without a clean close", grace
     )
     logging.shutdown()
-    os._exit(3)
+    record_exit(ExitCode.SHUTDOWN_TIMEOUT)
+    os._exit(ExitCode.SHUTDOWN_TIMEOUT)

@@ -4,6 +4,7 @@ topic's offsets, and a writer-schema source for the decoder tests."""
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 import re
 import shutil
@@ -25,6 +26,45 @@ from streamtrain.dev.kafka import KafkaBroker, free_port
 REPO = Path(__file__).resolve().parent.parent
 SMALL_CONFIG = REPO / "tests" / "worker-small.yaml"
 SCHEMA = REPO / "schemas" / "click_event.avsc"
+
+
+# What makes a test integration (`make test-fast` runs the others): a fixture that starts a Kafka
+# broker, a worker process or a producer; or a test, one of its fixtures, or a helper of its module
+# they call, that starts a broker of its own, several ranks or a benchmark. Marked here, so that a
+# new test is sorted without anyone marking it.
+BROKER_FIXTURES = {"kafka", "sasl_kafka", "start_worker", "start_ranks", "live_producer"}
+STARTS_PROCESSES = re.compile(
+    r"\bmp\.spawn\(|\btrain_states\(|\bKafkaBroker\(|\bstart_processes\(|\"-m\", \"streamtrain\", \"bench\""
+)
+CALLED = re.compile(r"\b([A-Za-z_]\w*)\(")
+
+
+def _starts_processes(function, seen: set | None = None) -> bool:
+    """Whether ``function``, or a function of its module that it calls (to any depth), starts them."""
+    seen = set() if seen is None else seen
+    if function in seen:
+        return False
+    seen.add(function)
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    if STARTS_PROCESSES.search(source):
+        return True
+    module = inspect.getmodule(function)
+    helpers = [getattr(module, name, None) for name in set(CALLED.findall(source))]
+    return any(_starts_processes(h, seen) for h in helpers if inspect.isfunction(h) and inspect.getmodule(h) is module)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fixtures = getattr(item, "_fixtureinfo", None)
+        functions = [getattr(item, "function", None)]
+        functions += [d.func for defs in (fixtures.name2fixturedefs.values() if fixtures else ()) for d in defs]
+        if BROKER_FIXTURES & set(getattr(item, "fixturenames", ())) or any(
+            _starts_processes(f) for f in functions if f is not None
+        ):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")
@@ -163,6 +203,7 @@ class WorkerProcess:
         env: dict[str, str] | None = None,
         local_rank: int = 0,
         launcher: Sequence[str] = (),
+        cwd: Path = REPO,
     ):
         self.metrics_port = free_port()
         self.log_path = Path(f"/tmp/streamtrain-test-{topic}-{self.metrics_port}.log")
@@ -179,7 +220,7 @@ class WorkerProcess:
         self.log = open(self.log_path, "wb")  # noqa: SIM115 - the worker writes it until it is killed
         self.process = subprocess.Popen(
             [sys.executable, *launcher, "-m", "streamtrain", "worker", "--config", str(config), *args],
-            cwd=REPO,
+            cwd=cwd,
             env=environ,
             stdout=self.log,
             stderr=subprocess.STDOUT,

@@ -18,12 +18,18 @@ from torchrec.models.dlrm import InteractionDCNArch
 from torchrec.modules.crossnet import LowRankCrossNet
 
 from conftest import REPO, SCHEMA, end_offsets, join_as_spawned_rank, leave_spawned_rank
-from streamtrain.checkpoint import compatibility_fingerprint, fingerprint_differences, list_snapshots
+from streamtrain.checkpoint import (
+    Checkpointer,
+    StreamState,
+    compatibility_fingerprint,
+    fingerprint_differences,
+    list_snapshots,
+)
 from streamtrain.config import ConfigError, parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.artifact import check_exportable, unsharded_model
 from streamtrain.dev.kafka import free_port
-from streamtrain.dev.produce import AvroEncoder, ClickStream, produce
+from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events, produce
 from streamtrain.device import init_distributed
 from streamtrain.model import ClickModel, net_logits
 from streamtrain.models.base import ModelInterfaceError, table_weights
@@ -236,3 +242,40 @@ def test_architecture_din_trains_a_step_without_events_at_one_rank(tmp_path):
     EmbeddingCollection cannot size (streamtrain/train.py makes it one event without ids)."""
     mp.spawn(_din_rank, args=(1, free_port(), str(tmp_path)), nprocs=1)
     assert (tmp_path / "sizes").read_text() == "[64, 0, 64]"
+
+
+def test_a_user_models_snapshot_restores_across_settings_only_the_built_ins_read(tmp_path, user_models):
+    """model.module builds from the tables, the dense inputs, the tasks and model.options: a snapshot of it
+    restores across over_arch_layer_sizes, dense_arch_layer_sizes and model.multitask, which only the built-ins
+    read, and across those it was written with before its fingerprint left them out; not across its options."""
+    checkpoint = {"checkpoint": {"path": str(tmp_path / "snapshots")}}
+    raw = yaml.safe_load((REPO / "tests" / "worker-small.yaml").read_text())
+    raw |= {"kafka": {"bootstrap_servers": "unused:9092", "topic": "unused"}, **checkpoint}
+    raw["model"] |= {"module": "my_models:build", "options": {"hidden": 24}}
+    written = parse_config(raw, environ={})
+    env = init_distributed()
+    trainer = Trainer(written, env)
+    decoder = AvroBatchDecoder(written.features)
+    encoded = encoded_events(ClickStream(11, 0), AvroEncoder(SCHEMA), 256)
+    events = [RawEvent(0, i, payload, 0) for i, (_key, payload, _partition, _click) in enumerate(encoded)]
+    list(trainer.train(iter([decoder.decode(events).batch])))
+    saved = {k: v.clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
+    Checkpointer(written.checkpoint, written, trainer.model, trainer.optimizer, 0, 1, None).save(StreamState(step=1))
+
+    raw["model"] |= {"over_arch_layer_sizes": [16, 1], "dense_arch_layer_sizes": [32, 8], "multitask": "mmoe"}
+    changed = parse_config(raw, environ={})
+    restored = Trainer(changed, env)
+    assert Checkpointer(changed.checkpoint, changed, restored.model, restored.optimizer, 0, 1, None).restore().step == 1
+    state = restored.model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in saved.items() if not hasattr(v, "to_local"))
+
+    ours = compatibility_fingerprint(changed)
+    assert "over_arch_layer_sizes" not in ours and ours["tasks"] == ["clk"]
+    # as a snapshot of this model carried its fingerprint before: with the built-ins' settings, one task unnamed
+    before = {k: v for k, v in ours.items() if k != "tasks"}
+    before |= {"dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [32, 1], "heads": {"architecture": "dlrm"}}
+    assert fingerprint_differences(ours, before, changed) == []
+    other_options = config_for(module="my_models:build", options={"hidden": 32})
+    assert fingerprint_differences(compatibility_fingerprint(other_options), ours, other_options) == [
+        "net.options.hidden: 24 in the snapshot, 32 here"
+    ]

@@ -215,47 +215,39 @@ def test_a_failed_snapshot_is_counted_removed_and_retried_until_max_consecutive(
     assert "step 4" in message and "code 6" in message
 
 
-def test_stale_checkpoint_alert_fires_while_snapshots_fail_max_consecutive(tmp_path):
-    """The alert rule itself, evaluated by promtool over series of a worker whose snapshots fail."""
+def test_stale_checkpoint_alert_fires_after_three_configured_intervals_while_snapshots_fail(tmp_path):
+    """The alert rule itself, evaluated by promtool over series of workers whose snapshots fail: it
+    measures the age against each deployment's checkpoint.interval_seconds, and never fires for a
+    worker without checkpoint.path (interval 0)."""
     promtool = prometheus_tool("promtool")
+    fires = [{"exp_labels": {"severity": "warning"}, "exp_annotations": _annotations("StreamtrainCheckpointStale")}]
+
+    def case(interval: float, expected: dict[str, list]) -> dict:
+        return {
+            "interval": "1m",
+            # the last success at t=0; afterwards only failures, one every 5 minutes
+            "input_series": [
+                {"series": "streamtrain_checkpoint_last_success_timestamp_seconds", "values": "0+0x40"},
+                {"series": "streamtrain_checkpoint_failures_total", "values": "0+0.2x40"},
+                {"series": "streamtrain_checkpoint_interval_seconds", "values": f"{interval:g}+0x40"},
+            ],
+            "alert_rule_test": [
+                {"eval_time": at, "alertname": "StreamtrainCheckpointStale", "exp_alerts": alerts}
+                for at, alerts in expected.items()
+            ],
+        }
+
+    tests = [
+        case(300, {"10m": [], "25m": fires, "35m": fires}),  # 3 x 300 s, held 5 minutes: from 20m
+        case(60, {"5m": [], "10m": fires}),  # 3 x 60 s, held 5 minutes: from 8m
+        case(0, {"10m": [], "35m": []}),  # no checkpoint.path: its start time ages, and nothing fires
+    ]
     (tmp_path / "test.yml").write_text(
         yaml.safe_dump(
             {
                 "rule_files": [str(REPO / "deploy" / "prometheus" / "alerts.yml")],
                 "evaluation_interval": "1m",
-                "tests": [
-                    {
-                        "interval": "1m",
-                        # the last success at t=0; afterwards only failures, one every 5 minutes
-                        "input_series": [
-                            {"series": "streamtrain_checkpoint_last_success_timestamp_seconds", "values": "0+0x40"},
-                            {"series": "streamtrain_checkpoint_failures_total", "values": "0+0.2x40"},
-                        ],
-                        "alert_rule_test": [
-                            {"eval_time": "10m", "alertname": "StreamtrainCheckpointStale", "exp_alerts": []},
-                            {
-                                "eval_time": "25m",
-                                "alertname": "StreamtrainCheckpointStale",
-                                "exp_alerts": [
-                                    {
-                                        "exp_labels": {"severity": "warning"},
-                                        "exp_annotations": _annotations("StreamtrainCheckpointStale"),
-                                    }
-                                ],
-                            },
-                            {
-                                "eval_time": "35m",
-                                "alertname": "StreamtrainCheckpointStale",
-                                "exp_alerts": [
-                                    {
-                                        "exp_labels": {"severity": "warning"},
-                                        "exp_annotations": _annotations("StreamtrainCheckpointStale"),
-                                    }
-                                ],
-                            },
-                        ],
-                    }
-                ],
+                "tests": tests,
             }
         )
     )

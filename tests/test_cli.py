@@ -8,7 +8,7 @@ import pytest
 
 from conftest import REPO
 from streamtrain.bench import BENCHMARKS
-from streamtrain.cli import build_parser
+from streamtrain.cli import build_parser, main
 
 COMMANDS = next(
     list(action.choices) for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction)
@@ -51,3 +51,13 @@ def test_every_commands_help_exits_zero(command):
     assert result.returncode == 0, result.stderr
     if command == "bench":
         assert all(f"{name}: " in result.stdout for name in BENCHMARKS)
+
+
+def test_serve_with_the_workers_config_names_a_client_property_it_cannot_use(tmp_path, monkeypatch, capsys):
+    """`streamtrain serve --config` follows the delta topic with the worker's client properties:
+    a set librdkafka refuses (here a login without its user) is exit 2 naming it, before any poll."""
+    monkeypatch.setenv("STREAMTRAIN_KAFKA__CLIENT_CONFIG__SECURITY__PROTOCOL", "SASL_PLAINTEXT")
+    monkeypatch.setenv("STREAMTRAIN_KAFKA__CLIENT_CONFIG__SASL__MECHANISM", "SCRAM-SHA-512")
+    code = main(["serve", "--config", str(REPO / "deploy" / "worker.yaml"), "--model", str(tmp_path)])
+    assert code == 2
+    assert "kafka.client_config: librdkafka refuses the client properties: sasl.username" in capsys.readouterr().err

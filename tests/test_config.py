@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -146,6 +147,81 @@ def test_streamtrain_variables_without_a_field_path_are_not_config():
         | {"STREAMTRAIN_KAFKA__CLIENT_CONFIG__SECURITY.PROTOCOL": "SSL"},
     )
     assert config.kafka.client_config["security.protocol"] == "SSL"
+
+
+def test_a_dotted_client_property_is_written_with_double_underscores_in_a_variable(tmp_path):
+    secret = tmp_path / "password"
+    secret.write_text("s3cr3t\n")
+    config = load_config(
+        REFERENCE,
+        environ={
+            "STREAMTRAIN_KAFKA__CLIENT_CONFIG__SECURITY__PROTOCOL": "SASL_PLAINTEXT",
+            "STREAMTRAIN_KAFKA__CLIENT_CONFIG__SASL__MECHANISM": "SCRAM-SHA-512",
+            "STREAMTRAIN_KAFKA__CLIENT_CONFIG__SASL__USERNAME": "trainer",
+            "STREAMTRAIN_KAFKA__CLIENT_CONFIG_FILES__SASL__PASSWORD": str(secret),
+            "STREAMTRAIN_KAFKA__CLIENT_CONFIG__TOPIC.METADATA.REFRESH.INTERVAL.MS": "1000",  # dots still do
+        },
+    )
+    assert config.kafka.client_config == {
+        "security.protocol": "SASL_PLAINTEXT",
+        "sasl.mechanism": "SCRAM-SHA-512",
+        "sasl.username": "trainer",
+        "topic.metadata.refresh.interval.ms": "1000",
+    }
+    assert config.kafka.librdkafka()["sasl.password"] == "s3cr3t"
+    config.check_clients()  # librdkafka takes them all
+
+
+def test_a_client_property_librdkafka_does_not_know_is_refused_naming_it_and_the_variable_meant():
+    with pytest.raises(ConfigError) as error:
+        load_config(
+            REFERENCE,
+            environ={
+                "STREAMTRAIN_KAFKA__CLIENT_CONFIG__SASL_MECHANISM": "PLAIN",  # a property named sasl_mechanism
+                "STREAMTRAIN_KAFKA__CLIENT_CONFIG__FETCH__WAIT__MAX__MS": "soon",
+                "STREAMTRAIN_KAFKA__CLIENT_CONFIG_FILES__SSL__KEY__PASWORD": "/run/secrets/key-password",
+            },
+        )
+    message = str(error.value)
+    assert (
+        "kafka.client_config: 'fetch.wait.max.ms': librdkafka refuses the value 'soon'; 'sasl_mechanism': librdkafka "
+        "has no such property; did you mean 'sasl.mechanism'? In an environment variable, write each dot of a "
+        "property as __: STREAMTRAIN_KAFKA__CLIENT_CONFIG__SASL__MECHANISM" in message
+    ), message
+    assert "kafka.client_config_files: 'ssl.key.pasword': librdkafka has no such property" in message, message
+
+
+def test_a_registry_client_property_it_does_not_know_is_refused_naming_it():
+    raw = reference()
+    raw["features"] |= {
+        "wire_format": "confluent",
+        "schema_registry": {"url": "https://registry:8081", "client_config": {"max.retries": 1, "max_retries": 1}},
+    }
+    with pytest.raises(
+        ConfigError, match=r"features.schema_registry.client_config: .* no properties \['max_retries'\]"
+    ):
+        parse_config(raw, environ={})
+
+
+def test_at_start_a_login_half_set_or_a_secret_file_missing_is_refused_naming_the_section(tmp_path):
+    half = load_config(
+        REFERENCE,
+        environ={
+            "STREAMTRAIN_KAFKA__CLIENT_CONFIG__SECURITY__PROTOCOL": "SASL_PLAINTEXT",
+            "STREAMTRAIN_KAFKA__CLIENT_CONFIG__SASL__MECHANISM": "SCRAM-SHA-512",
+        },
+    )
+    with pytest.raises(
+        ConfigError, match=re.escape("kafka.client_config: librdkafka refuses the client properties: sasl.username")
+    ):
+        half.check_clients()
+    missing = load_config(
+        REFERENCE, environ={"STREAMTRAIN_KAFKA__CLIENT_CONFIG_FILES__SASL__PASSWORD": str(tmp_path / "nope")}
+    )
+    with pytest.raises(ConfigError) as error:
+        missing.check_clients()
+    assert f"kafka.client_config_files.sasl.password: cannot read {tmp_path / 'nope'}" in str(error.value)
+    assert "STREAMTRAIN_KAFKA__CLIENT_CONFIG_FILES__SASL__PASSWORD" in str(error.value)
 
 
 def test_an_empty_plan_path_means_none():

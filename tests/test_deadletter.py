@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import fastavro
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient, AlterConfigOpType, ConfigEntry, ConfigResource, NewTopic
 
 from conftest import REPO, committed_offsets
 from streamtrain.deadletter import (
@@ -422,9 +423,33 @@ def test_bad_payloads_land_in_the_dead_letter_topic_and_the_rest_trains(kafka, t
     assert len(valid) + len(letters) == len(messages)
 
 
+def refusing_topic(kafka, topic: str) -> None:
+    """A topic whose broker refuses every dead letter: a record batch over 100 bytes is too large
+    for it (max.message.bytes), as an ACL would refuse the write, until ``accepting`` raises it."""
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers, "broker.address.family": "v4"})
+    admin.create_topics([NewTopic(topic, 1, 1, config={"max.message.bytes": "100"})])[topic].result(timeout=30)
+
+
+def accepting(kafka, topic: str) -> None:
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers, "broker.address.family": "v4"})
+    raised = ConfigEntry("max.message.bytes", "1048588", incremental_operation=AlterConfigOpType.SET)
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic, incremental_configs=[raised])
+    admin.incremental_alter_configs([resource])[resource].result(timeout=30)
+
+
+def described(kafka, topic: str) -> tuple[int, int, str]:
+    """The topic's partitions, replication factor and retention.ms."""
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers, "broker.address.family": "v4"})
+    partitions = admin.list_topics(topic, timeout=30).topics[topic].partitions
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+    retention = admin.describe_configs([resource])[resource].result(timeout=30)["retention.ms"].value
+    return len(partitions), min(len(p.replicas) for p in partitions.values()), retention
+
+
 @pytest.mark.integration
 def test_an_unwritable_dead_letter_topic_blocks_consumption_until_it_can_be_written(kafka, topic_name, start_worker):
-    dlq = topic_name + ".dlq"  # not created yet; the broker does not create topics on demand
+    dlq = topic_name + ".dlq"
+    refusing_topic(kafka, dlq)
     valid = valid_messages(600, seed=12)
     truncated = Sent(b"bad", _encode(ClickStream(seed=3).chunk(1).records[0])[:10], BASE_TIME_MS + 5, [], "truncated")
     placed = send(kafka, topic_name, 1, valid[:300] + [truncated] + valid[300:])
@@ -440,19 +465,19 @@ def test_an_unwritable_dead_letter_topic_blocks_consumption_until_it_can_be_writ
     time.sleep(3.0)  # several attempts, and position commits (every second) while blocked
     samples = worker.scrape()
     assert samples["streamtrain_dead_letter_blocked"] == 1
-    assert worker.total("streamtrain_dead_letter_produce_failures_total", samples) >= 2
+    assert samples['streamtrain_dead_letter_produce_failures_total{code="MSG_SIZE_TOO_LARGE"}'] >= 2
     assert worker.total("streamtrain_events_trained_total", samples) <= bad_offset
     assert worker.total("streamtrain_dead_letter_events_total", samples) == 0
     assert committed_offsets(kafka, topic_name, f"group-{topic_name}", 1)[0] <= bad_offset
     output = worker.output()
-    assert f"dead-letter topic {dlq} cannot take events" in output  # said at start-up
+    assert f"the dead-letter topic {dlq} exists: 1 partition(s), replication factor 1" in output  # said at start-up
     assert f"consumption of {topic_name} is BLOCKED at partition 0 offset {bad_offset}" in output
 
-    create_topic(kafka.bootstrap_servers, dlq, 1)
+    accepting(kafka, dlq)
     worker.wait_for(
         lambda: worker.total("streamtrain_events_trained_total") == len(valid),
         timeout=60,
-        what="training to resume once the dead-letter topic exists",
+        what="training to resume once the dead-letter topic takes the event",
     )
     samples = worker.scrape()
     assert samples["streamtrain_dead_letter_blocked"] == 0
@@ -464,6 +489,44 @@ def test_an_unwritable_dead_letter_topic_blocks_consumption_until_it_can_be_writ
     assert [(m.key(), m.value(), dict(m.headers())[HEADER_OFFSET]) for m in letters] == [
         (b"bad", truncated.value, b"%d" % bad_offset)
     ]
+
+
+@pytest.mark.integration
+def test_the_dead_letter_topic_is_created_at_start_and_again_if_deleted_while_the_worker_runs(
+    kafka, topic_name, start_worker
+):
+    dlq = topic_name + ".dlq"  # not created: the worker creates it with these settings
+    valid = valid_messages(400, seed=15)
+    send(kafka, topic_name, 1, valid[:200])
+    worker = start_worker(
+        topic_name, config=DLQ_CONFIG, env=dlq_env(dlq, topic_partitions=2, topic_retention_seconds=172800)
+    )
+    worker.wait_for(
+        lambda: worker.total("streamtrain_events_trained_total") == 200, timeout=90, what="the first events trained"
+    )
+    assert described(kafka, dlq) == (2, 1, "172800000")
+    assert f"created the dead-letter topic {dlq}: 2 partition(s), replication factor 1" in worker.output()
+
+    admin = AdminClient({"bootstrap.servers": kafka.bootstrap_servers, "broker.address.family": "v4"})
+    admin.delete_topics([dlq])[dlq].result(timeout=30)
+    truncated = Sent(b"bad", _encode(ClickStream(seed=4).chunk(1).records[0])[:10], BASE_TIME_MS + 5, [], "truncated")
+    send(kafka, topic_name, 1, [truncated] + valid[200:])
+    worker.wait_for(
+        lambda: (
+            worker.total("streamtrain_events_trained_total") == len(valid)
+            and worker.total("streamtrain_dead_letter_events_total") == 1
+        ),
+        timeout=90,
+        what="the dead letter written to the topic created again, and the rest trained",
+    )
+    samples = worker.scrape()
+    assert worker.total("streamtrain_dead_letter_produce_failures_total", samples) >= 1  # counted, not silent
+    assert samples["streamtrain_dead_letter_blocked"] == 0
+    assert f"the dead-letter topic {dlq} was gone while the worker ran: created it again" in worker.output()
+    assert described(kafka, dlq) == (2, 1, "172800000")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=30) == 0
+    assert [m.value() for m in read_all(kafka, dlq, 2)] == [truncated.value]
 
 
 @pytest.mark.integration
@@ -508,7 +571,8 @@ def test_a_poisoned_topic_pauses_consumption_loudly_and_resumes_after_the_cooldo
 
 @pytest.mark.integration
 def test_a_stop_while_blocked_exits_cleanly_without_passing_the_bad_event(kafka, topic_name, start_worker):
-    dlq = topic_name + ".dlq"  # never created
+    dlq = topic_name + ".dlq"
+    refusing_topic(kafka, dlq)
     valid = valid_messages(300, seed=13)
     send(kafka, topic_name, 1, valid[:100] + [Sent(b"bad", b"", BASE_TIME_MS, [], None)] + valid[100:])
     worker = start_worker(topic_name, config=DLQ_CONFIG, env=dlq_env(dlq))

@@ -14,9 +14,11 @@ cannot trust, on a real broker, real HTTP and real bases (the states of test_del
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import os
 import random
+import socket
 import struct
 import threading
 import time
@@ -31,7 +33,8 @@ from confluent_kafka import Producer
 
 from conftest import scrape
 from delivery_states import held_out, ranks_scores, set_delivery
-from streamtrain.delivery.artifact import export_snapshot
+from schema_registry import StandInRegistry
+from streamtrain.delivery.artifact import ServableModel, export_snapshot
 from streamtrain.delivery.deltas import HEADER_ALLOWANCE, MAGIC, Delta, DeltaId, DensePiece, RowPiece, encode
 from streamtrain.delivery.serve import KafkaDeltas, ScoringServer, ServeLimits
 from streamtrain.dev.kafka import KafkaBroker
@@ -47,6 +50,7 @@ from test_delivery_serve import (
     wait_for,
 )
 from test_delivery_spec import read_chunk, row_of
+from test_wire_format import http_registry  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.integration
 
@@ -402,3 +406,178 @@ def test_delivery_spec_a_third_party_reads_a_base_and_a_delta_with_the_spec_alon
     with torch.no_grad():
         got = module(features, torch.tensor(values, dtype=torch.int64), torch.tensor(lengths, dtype=torch.int32))
     assert float(np.abs(got.numpy() - ranks_scores(root, 1, EVENTS)).max()) <= 1e-6
+
+
+class Polls:
+    """A delta source that returns the lists it is given, one a poll, once ``released``: which
+    chunks share a poll is the test's to choose (a Kafka poll takes whatever has arrived, up to 500)."""
+
+    def __init__(self, *polls: list[bytes]):
+        self.polls = list(polls)
+        self.released = threading.Event()
+        self.released.set()
+
+    def rewind(self, since_ms: int) -> None:
+        pass
+
+    def poll(self, timeout: float) -> list[bytes]:
+        if self.released.wait(timeout) and self.polls:
+            return self.polls.pop(0)
+        time.sleep(timeout)
+        return []
+
+    def caught_up(self) -> bool:
+        return not self.polls
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("reason", ["body_size", "header_json", "current", "header_field"])
+def test_mutated_chunks_nobody_foresaw_cost_their_own_delta_never_the_polls_others(states, tmp_path, reason):
+    """Each case shares one poll with delta 0, before it: the case is refused and counted, delta 0 applied."""
+    root, _snapshots, flat = states
+    good = encode(cut(flat, 0, 1, 0), MAX_MESSAGE_BYTES)
+    header, _body = split(next(c for c in good if split(c)[0]["kind"] == "rows"))
+    chunks = {
+        # numpy cannot lay out 0 rows of 2**62 columns
+        "body_size": lambda: [join({**header, "sequence": 5, "count": 0, "width": 2**62}, b"")],
+        # deeper than the JSON parser's recursion
+        "header_json": lambda: [join(b"[" * 50_000 + b"]" * 50_000, b"")],
+        # a gap, which looks for a base in current.json, broken below
+        "current": lambda: encode(cut(flat, 2, 3, 2), MAX_MESSAGE_BYTES),
+        # delta 0 with a high water past int64: once served, every /metrics scrape failed on it
+        "header_field": lambda: encode(
+            Delta(DeltaId("clicks", 1, 0, 1, 10**400, 0), dense=cut(flat, 0, 1, 0).dense[:1]), 2**20
+        ),
+    }[reason]()
+    out = base_of(states, tmp_path)
+    polls = Polls(chunks + good)
+    polls.released.clear()
+    with ScoringServer(out, polls, base_wait_seconds=600) as server:
+        if reason == "current":
+            (out / "current.json").write_text("{not json")
+        polls.released.set()
+        assert server.wait_ready(60)
+        wait_for(lambda: server.follower.next_sequence == 1, 30, "delta 0 applied")
+        assert distance(server.port, root, 1) <= 1e-6
+        samples = scrape(server.port)  # /metrics answers
+        assert samples.get(f'streamtrain_serve_bad_deltas_total{{reason="{reason}"}}', 0) >= 1, samples
+
+
+def test_a_delta_that_fails_while_written_is_put_back_and_the_rest_of_its_poll_is_read(states, tmp_path, monkeypatch):
+    root, _snapshots, flat = states
+    calls = []
+
+    def fails_once(self, pieces):  # after the weights are written, before the delta is served
+        calls.append(len(pieces))
+        if len(calls) == 1:
+            raise MemoryError("while writing the id maps")
+
+    monkeypatch.setattr(ServableModel, "_apply_ids", fails_once)
+    out = base_of(states, tmp_path)
+    polls = Polls(encode(cut(flat, 0, 1, 0), MAX_MESSAGE_BYTES) + encode(cut(flat, 1, 2, 1), MAX_MESSAGE_BYTES))
+    with ScoringServer(out, polls, base_wait_seconds=600) as server:
+        assert server.wait_ready(60)
+        wait_for(lambda: "waiting for a base" in (server.follower.behind or ""), 30, "delta 1 read after delta 0")
+        assert distance(server.port, root, 0) <= 1e-6  # delta 0's rows and dense values were put back
+        assert scrape(server.port)['streamtrain_serve_bad_deltas_total{reason="error"}'] == 1
+
+
+def test_score_limit_new_schema_ids_are_looked_up_beside_the_decoding_and_bounded(
+    states,
+    tmp_path,
+    http_registry,  # noqa: F811 (the fixture)
+):
+    """A client names the Confluent schema ids: one the registry is slow to answer must not hold up
+    the others, and made-up ids must cost a bounded number of lookups and bounded memory."""
+    from streamtrain.delivery.serve.scorer import MAX_LOOKUPS_PER_REQUEST
+
+    root, _snapshots, _flat = states
+    out = base_of(states, tmp_path)
+    manifest = json.loads((out / "base-000001" / "manifest.json").read_text())
+    registry = {"url": http_registry, "timeout_seconds": 5, "client_config": {"max.retries": 0}}
+    manifest["config"]["features"] |= {"wire_format": "confluent", "schema_registry": registry}
+    (out / "base-000001" / "manifest.json").write_text(json.dumps(manifest))
+    reader = json.dumps(manifest["reader_schema"])
+    StandInRegistry.schemas, StandInRegistry.delays = {7: reader, 8: reader}, {8: 3.0}
+    payloads, _ = held_out(EVENTS)
+
+    def body(*ids: int) -> bytes:
+        framed = [b"\x00" + i.to_bytes(4, "big") + p for i, p in zip(itertools.cycle(ids), payloads, strict=False)]
+        return json.dumps({"events": [base64.b64encode(f).decode() for f in framed]}).encode()
+
+    with ScoringServer(out, limits=ServeLimits(max_in_flight=4)) as server, ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(request, server.port, body(8))
+        wait_for(lambda: StandInRegistry.requests >= 1, 30, "id 8 asked for")
+        status, _h, reply = request(server.port, body(7))
+        assert status == 200 and not slow.done(), "a score waited for another request's registry lookup"
+        got = np.array([r["probabilities"] for r in reply["results"]], dtype=np.float32)
+        assert np.abs(got - ranks_scores(root, 0, EVENTS)).max() <= 1e-6
+        assert slow.result()[0] == 200
+        asked = StandInRegistry.requests
+        for first in range(1000, 1000 + 3 * EVENTS, EVENTS):  # made-up ids, every event its own
+            status, _h, reply = request(server.port, body(*range(first, first + EVENTS)))
+            assert status == 200 and all("error" in r for r in reply["results"])
+        assert StandInRegistry.requests - asked <= 3 * MAX_LOOKUPS_PER_REQUEST
+        scorer = server.follower.served.scorer
+        assert set(scorer.avro.entries) <= {7, 8}, "the decoder met only ids it knows"
+        StandInRegistry.failures = 10**6  # an outage: one lookup waits out the registry's timeout, not one an id
+        status, _h, reply = request(server.port, body(2000, 2001, 2002))
+        errors = [r["error"] for r in reply["results"][:3]]
+        assert status == 200 and "did not answer" in errors[0] and all("not looked up" in e for e in errors[1:])
+
+
+def raw_request(port: int, head: bytes, body: bytes = b"", wait: float = 30) -> bytes:
+    """What the server answers to bytes sent as they are (a header urllib would not send)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=wait) as connection:
+        connection.sendall(head + body)
+        return connection.recv(65536)
+
+
+def test_score_limit_a_slow_body_gives_its_slot_back(states, tmp_path):
+    out = base_of(states, tmp_path)
+    payloads, _ = held_out(2)
+    body = json.dumps({"events": [base64.b64encode(p).decode() for p in payloads]}).encode()
+    with ScoringServer(out, limits=ServeLimits(max_in_flight=1, body_timeout_seconds=1.0)) as server:
+        port = server.port
+        with socket.create_connection(("127.0.0.1", port), timeout=15) as slow:
+            slow.sendall(
+                b"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 9999\r\n\r\n{"
+            )
+            wait_for(lambda: server._in_flight == 1, 30, "the slow request in its slot")
+            assert request(port, body)[0] == 503
+            assert slow.recv(4096).startswith(b"HTTP/1.1 408"), "the slow body was given up"
+        assert request(port, body)[0] == 200
+        samples = scrape(port)
+        assert samples['streamtrain_serve_score_requests_total{outcome="slow_body"}'] == 1
+
+
+def test_score_limit_bytes_a_header_or_a_body_the_parsers_choke_on_get_a_counted_answer(states, tmp_path):
+    out = base_of(states, tmp_path)
+    (tmp_path / "token").write_text("s3cret")
+    _payloads, records = held_out(1)
+    event = {k: v for k, v in records[0].items() if k not in ("clk", "buy", "event_time")}
+    with ScoringServer(out, limits=ServeLimits(token_file=tmp_path / "token")) as server:
+        port = server.port
+        answer = raw_request(
+            port,
+            b"POST /score HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n",
+            b"Content-Length: 2\r\n\r\n{}",
+        )
+        assert answer.startswith(b"HTTP/1.1 401"), answer[:200]
+        nested: object = 1
+        for _ in range(200):
+            nested = {"a": nested}
+        events = [{**event, "user_id": 2**70}, {**event, "user_id": nested}, event]
+        status, _h, reply = request(port, json.dumps({"events": events}).encode(), "s3cret")
+        assert status == 200 and "probabilities" in reply["results"][2], reply
+        assert all("error" in r for r in reply["results"][:2]), reply["results"][:2]
+        deep = b'{"events": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+        assert request(port, deep, "s3cret")[0] == 400
+        samples = scrape(port)
+        outcomes = {
+            k.split('"')[1]: v for k, v in samples.items() if k.startswith("streamtrain_serve_score_requests_total")
+        }
+        assert outcomes == {"unauthorized": 1, "ok": 1, "bad_request": 1}, outcomes
+        assert samples["streamtrain_serve_rejected_events_total"] == 2

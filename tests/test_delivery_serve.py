@@ -8,27 +8,38 @@ from __future__ import annotations
 import base64
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
-from confluent_kafka import Producer
+from confluent_kafka import Consumer, KafkaError, Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import REPO, scrape
 from delivery_states import held_out, ranks_scores, set_delivery, small_config, train_states
-from streamtrain.delivery.artifact import export_snapshot
+from streamtrain.config import KafkaConfig
+from streamtrain.delivery import artifact
+from streamtrain.delivery.artifact import ServableModel, export_snapshot
 from streamtrain.delivery.deltas import Delta, DeltaId, DensePiece, RowPiece, encode
+from streamtrain.delivery.publisher import DeliveryFailed, TopicTarget
+from streamtrain.delivery.safeload import UnsafeBase
 from streamtrain.delivery.serve import DirectoryDeltas, KafkaDeltas, ScoringServer
+from streamtrain.delivery.spec import FormatError
 from streamtrain.dev.kafka import free_port
+from streamtrain.topics import OutputTopic
+from test_delivery_publisher import delta_messages
+from test_delivery_spec import code_in_an_expression
 
 pytestmark = pytest.mark.integration
 
@@ -136,9 +147,14 @@ def distance(port: int, root: Path, state: int) -> float:
 
 
 def base_of(states, tmp_path: Path) -> Path:
-    _root, snapshots, _flat = states
+    """A bases' folder under ``tmp_path`` serving base 1, of state 0: a copy of one export per states."""
+    root, snapshots, _flat = states
+    exported = root / "serving-base-1"
+    if not exported.exists():
+        export_snapshot(snapshots[0], None, root / "exporting", version=1, new_chain=True)
+        (root / "exporting").rename(exported)
     out = tmp_path / "serving"
-    export_snapshot(snapshots[0], None, out, version=1, new_chain=True)
+    shutil.copytree(exported, out)
     return out
 
 
@@ -304,3 +320,156 @@ def test_a_delta_directory_is_followed_in_order_once_each_delta_is_complete(stat
         (deltas / "delta-1-1" / "COMPLETE").touch()
         wait_for(lambda: scrape(server.port).get("streamtrain_serve_delta_sequence") == 2, 60, "delta 2 applied")
         assert distance(server.port, root, 3) <= 1e-6
+
+
+class DiesPartway:
+    """A producer that delivers its first ``delivered`` chunks and fails the rest, as an attempt
+    cut short by a broker that went away: librdkafka's timeout, through the delivery callback."""
+
+    def __init__(self, producer: Producer, delivered: int):
+        self.producer, self.left = producer, delivered
+
+    def produce(self, topic: str, value: bytes, key: bytes, on_delivery) -> None:
+        if self.left > 0:
+            self.left -= 1
+            self.producer.produce(topic, value, key=key, on_delivery=on_delivery)
+        else:
+            on_delivery(KafkaError(KafkaError._MSG_TIMED_OUT), None)
+
+    def __getattr__(self, name: str):
+        return getattr(self.producer, name)
+
+
+def test_a_delta_send_that_failed_partway_and_was_retried_is_applied(kafka, topic_name, states, tmp_path):
+    root, _snapshots, flat = states
+    out = base_of(states, tmp_path)
+    create_delta_topic(kafka, topic_name)
+    target = TopicTarget(
+        KafkaConfig(bootstrap_servers=kafka.bootstrap_servers, topic="clicks"),
+        OutputTopic(topic_name, "delta", "delivery.topic"),
+        "clicks",
+        10,
+    )
+    delta = cut(flat, 0, 1, 0)  # stamped at the cut, as the publisher stamps it
+    try:
+        target._connect()
+        producer = target.producer
+        target.producer = DiesPartway(producer, 3)
+        with pytest.raises(DeliveryFailed, match="timed out"):
+            target.send(delta)
+        target.producer = producer
+        time.sleep(0.05)  # the publisher retries a second later at the soonest
+        target.send(delta)
+    finally:
+        target.close()
+    chunks = delta_messages(kafka.bootstrap_servers, topic_name)
+    assert len(chunks) == 3 + len(encode(delta, MAX_MESSAGE_BYTES))
+    assert (
+        len({json.loads(chunk[8 : 8 + int.from_bytes(chunk[4:8], "little")])["published_at_ms"] for chunk in chunks})
+        == 1
+    )
+    with ScoringServer(out, KafkaDeltas(kafka.bootstrap_servers, topic_name)) as server:
+        assert server.wait_ready(60)
+        assert distance(server.port, root, 1) <= 1e-6
+        samples = scrape(server.port)
+        assert samples["streamtrain_serve_deltas_applied_total"] == 1
+        assert not any(k.startswith("streamtrain_serve_bad_deltas_total") for k in samples), samples
+
+
+def test_an_idle_server_still_scores_after_retention_removes_the_base_it_serves(kafka, topic_name, states, tmp_path):
+    """A server follows deltas on base 1 and scores nothing while newer bases are published and
+    retention removes base-000001/: its first score after that must succeed, as /readyz says."""
+    root, _snapshots, flat = states
+    out = base_of(states, tmp_path)
+    create_delta_topic(kafka, topic_name)
+    publish(kafka, topic_name, cut(flat, 0, 1, 0))
+    with ScoringServer(out, KafkaDeltas(kafka.bootstrap_servers, topic_name)) as server:
+        assert server.wait_ready(60)
+        # Base 2 published as an export publishes it, its chain starting there (no gap: base 1 stays
+        # served), then the export's retention keeping one base.
+        shutil.copytree(out / "base-000001", out / "base-000002")
+        manifest = json.loads((out / "base-000002" / "manifest.json").read_text())
+        (out / "base-000002" / "manifest.json").write_text(json.dumps(manifest | {"base_version": 2, "chain": 2}))
+        artifact._point_current(out, 2, "base-000002")
+        artifact._retain(out, keep=1)
+        assert not (out / "base-000001").exists()
+        assert ready(server.port)
+        assert distance(server.port, root, 1) <= 1e-6
+        assert scrape(server.port)['streamtrain_serve_score_requests_total{outcome="ok"}'] == 1
+
+
+def test_a_manifest_naming_files_outside_its_base_or_a_tampered_program_is_refused(states, tmp_path):
+    out = base_of(states, tmp_path)
+    base = out / "base-000001"
+    manifest = json.loads((base / "manifest.json").read_text())
+    elsewhere = str((REPO / "schemas" / "click_event.avsc").resolve())  # a valid schema, outside the base
+    np.savez(tmp_path / "maps.npz", **{"user_id.rows": np.zeros(1, np.int64), "user_id.ids": np.zeros(1, np.int64)})
+    features = manifest["config"]["features"]
+    for name, changed in [
+        (
+            "absolute",
+            {**manifest, "config": {**manifest["config"], "features": {**features, "schema_path": elsewhere}}},
+        ),
+        (
+            "dotdot",
+            {**manifest, "config": {**manifest["config"], "features": {**features, "schema_path": "../../x.avsc"}}},
+        ),
+        ("id-map", {**manifest, "id_maps": {"user_id": {"unknown_row": 0, "file": str(tmp_path / "maps.npz")}}}),
+    ]:
+        copy = tmp_path / name / "base-000001"
+        shutil.copytree(base, copy)
+        (copy / "manifest.json").write_text(json.dumps(changed))
+        with pytest.raises(FormatError, match="must be a relative path inside the base"):
+            ServableModel(copy)
+    copy = tmp_path / "tampered" / "base-000001"
+    shutil.copytree(base, copy)
+    code_in_an_expression(base / "model.pt2", copy / "model.pt2", tmp_path / "ran")
+    with pytest.raises(UnsafeBase, match="size expression"):
+        ServableModel(copy)
+    assert not (tmp_path / "ran").exists(), "loading a base ran code from it"
+
+
+class LeaderMoving:
+    """The delta consumer, whose time lookups answer with a partition error (as librdkafka reports
+    one, in the partition, without raising) until ``settled`` is set."""
+
+    def __init__(self, consumer: Consumer):
+        self.consumer, self.settled = consumer, threading.Event()
+
+    def offsets_for_times(self, partitions: list, timeout: float) -> list:
+        if self.settled.is_set():
+            return self.consumer.offsets_for_times(partitions, timeout=timeout)
+        return [
+            SimpleNamespace(
+                topic=partitions[0].topic, partition=0, offset=-1, error=KafkaError(KafkaError.LEADER_NOT_AVAILABLE)
+            )
+        ]
+
+    def __getattr__(self, name: str):
+        return getattr(self.consumer, name)
+
+
+def test_a_failed_time_lookup_is_retried_not_taken_for_no_deltas(kafka, topic_name, states, tmp_path):
+    root, _snapshots, flat = states
+    out = base_of(states, tmp_path)
+    create_delta_topic(kafka, topic_name)
+    publish(kafka, topic_name, cut(flat, 0, 1, 0))
+    deltas = KafkaDeltas(kafka.bootstrap_servers, topic_name)
+    lookups = LeaderMoving(deltas._consumer)
+    deltas._consumer = lookups
+    server = ScoringServer(out, deltas)
+    starting = threading.Thread(target=server.start, daemon=True)
+    starting.start()
+    try:
+        wait_for(lambda: server.follower.metrics.source_retries._value.get() >= 2, 60, "the lookup retried")
+        assert "rewinding the delta source failed" in (server.follower.behind or "")
+        assert not server.ready
+        lookups.settled.set()
+        starting.join(timeout=60)
+        assert server.wait_ready(60)
+        assert distance(server.port, root, 1) <= 1e-6  # delta 0, published before the base's cut, applied
+        assert ready(server.port)
+    finally:
+        lookups.settled.set()
+        starting.join(timeout=60)
+        server.stop()

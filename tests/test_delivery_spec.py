@@ -20,7 +20,6 @@ from conftest import REPO
 from streamtrain.avro_program import fnv1a64 as worker_fnv1a64
 from streamtrain.config import TableConfig
 from streamtrain.decode import map_ids
-from streamtrain.delivery.artifact import UnsafeBase, load_program
 from streamtrain.delivery.deltas import (
     Assembler,
     Delta,
@@ -32,6 +31,7 @@ from streamtrain.delivery.deltas import (
     decode_chunk,
     encode,
 )
+from streamtrain.delivery.safeload import UnsafeBase, load_program
 from streamtrain.delivery.spec import (
     FormatError,
     chunk_header_schema,
@@ -263,7 +263,7 @@ def test_mutated_delta_folder_names_and_a_pruned_delta_do_not_stop_a_directory_r
 def test_score_limit_state_lock_lets_scores_read_together_and_a_delta_write_alone():
     import threading
 
-    from streamtrain.delivery.serve import StateLock
+    from streamtrain.delivery.serve.follower import StateLock
 
     lock, inside, broken = StateLock(), {"readers": 0, "writers": 0}, []
     both_reading = threading.Barrier(2, timeout=10)
@@ -296,3 +296,112 @@ def test_score_limit_state_lock_lets_scores_read_together_and_a_delta_write_alon
     for thread in threads:
         thread.join(timeout=30)
     assert not broken and not any(t.is_alive() for t in pair + threads)
+
+
+def with_header(chunk: bytes, **change: object) -> bytes:
+    """``chunk`` with its header's fields changed (``raw``: the header's bytes replaced whole)."""
+    (length,) = struct.unpack("<I", chunk[4:8])
+    raw = change.pop("raw", None)
+    if raw is None:
+        raw = json.dumps({**json.loads(chunk[8 : 8 + length]), **change}).encode()
+    assert isinstance(raw, bytes)
+    return b"STD1" + struct.pack("<I", len(raw)) + raw + chunk[8 + length :]
+
+
+def test_mutated_delta_chunks_out_of_int64_too_deep_or_of_no_layout_are_format_errors():
+    delta = Delta(DeltaId("m", 1, 0, 1, 0, 0), [RowPiece("t", np.arange(2), 0, np.ones((2, 4), np.float32))])
+    (chunk,) = encode(delta, 8192)
+    for change, reason in [
+        ({"event_time_high_water_ms": 10**400}, "header_field"),  # once served, it broke every /metrics scrape
+        ({"published_at_ms": -(2**63) - 1}, "header_field"),
+        ({"parts": 2**63}, "header_field"),
+        ({"step": 2**64}, "header_field"),
+        ({"count": 0, "width": 2**62}, "body_size"),  # numpy cannot lay out 0 rows of 2**62 columns
+        ({"raw": b"[" * 100_000 + b"]" * 100_000}, "header_json"),  # deeper than the JSON parser's recursion
+    ]:
+        # a chunk of no rows has no body
+        mutated = with_header(chunk[: 8 + struct.unpack("<I", chunk[4:8])[0]] if "width" in change else chunk, **change)
+        with pytest.raises(DeltaFormatError) as refused:
+            decode_chunk(mutated)
+        assert refused.value.reason == reason, change
+
+
+def test_delivery_spec_current_json_that_is_not_json_and_manifest_paths_outside_the_base_are_refused(tmp_path):
+    from streamtrain.delivery.spec import base_file
+
+    for broken in [b"{not json", b"\xff\xfe", b"[" * 100_000]:
+        (tmp_path / "current.json").write_bytes(broken)
+        with pytest.raises(FormatError) as refused:
+            read_current(tmp_path)
+        assert refused.value.reason == "current"
+    assert base_file(tmp_path, "writer_schemas", "writer_schemas_dir") == tmp_path / "writer_schemas"
+    for escape in ["../reader.avsc", "/etc/hostname", "schemas/../../x", "", "a\\..\\b"]:
+        with pytest.raises(FormatError, match="must be a relative path inside the base"):
+            base_file(tmp_path, escape, "features.schema_path")
+
+
+def test_an_attempt_that_failed_partway_is_replaced_by_its_retry_and_refusals_keep_nothing_alive():
+    dense = [DensePiece("w", (4096,), 0, np.ones(4096, np.float32))]
+    first = encode(Delta(DeltaId("m", 1, 4, 9, 0, published_at_ms=1000), dense=dense), 8192)
+    retry = encode(Delta(DeltaId("m", 1, 4, 9, 0, published_at_ms=2000), dense=dense), 8192)
+    assert len(first) >= 3
+    assembler = Assembler()
+    assert assembler.add(first[0]) is None and assembler.add(first[1]) is None  # the failed attempt's
+    done = [d for d in map(assembler.add, retry) if d is not None]  # a newer attempt replaces it
+    assert [d.id.published_at_ms for d in done] == [2000] and len(assembler) == 0 and assembler.held == 0
+    with pytest.raises(DeltaFormatError, match="parts"):  # an older attempt's chunk, after the newer one began
+        assembler.add(retry[0]) or assembler.add(first[2])
+
+    # A refused chunk does not touch its delta: the stale one is still the first to go.
+    small = Assembler(max_pending=2)
+    stale = encode(Delta(DeltaId("m", 1, 0, 9, 0, 0), dense=dense), 8192)
+    small.add(stale[0])
+    small.add(encode(Delta(DeltaId("m", 1, 1, 9, 0, 0), dense=dense), 8192)[0])
+    with pytest.raises(DeltaFormatError):
+        small.add(with_header(stale[1], step=10))
+    small.add(encode(Delta(DeltaId("m", 1, 2, 9, 0, 0), dense=dense), 8192)[0])
+    assert [key[2] for key in small._pending] == [1, 2]
+
+
+def test_the_assembler_holds_a_bounded_number_of_bytes_and_refuses_a_delta_larger_than_that():
+    dense = [DensePiece("w", (8192,), 0, np.ones(8192, np.float32))]
+    chunks = [encode(Delta(DeltaId("m", 1, s, 9, 0, 0), dense=dense), 8192) for s in range(3)]
+    size = len(chunks[0][0])
+    assembler = Assembler(max_bytes=5 * size)
+    for sequence in range(3):  # two parts of each: the oldest goes once six would be held
+        assembler.add(chunks[sequence][0])
+        assembler.add(chunks[sequence][1])
+    assert [key[2] for key in assembler._pending] == [1, 2] and assembler.held <= 5 * size
+    with pytest.raises(DeltaFormatError) as refused:
+        Assembler(max_bytes=size - 1).add(chunks[0][0])
+    assert refused.value.reason == "too_large"
+    whole = Assembler(max_bytes=len(chunks[0]) * size)
+    assert [d for d in map(whole.add, chunks[0]) if d is not None], "a delta that fits completes"
+
+
+def code_in_an_expression(program: Path, out: Path, marker: Path) -> None:
+    """Writes ``program`` to ``out`` with its first symbolic size's ``expr_str`` made to touch
+    ``marker`` too, when evaluated as Python (as ``sympy.sympify`` does)."""
+    with zipfile.ZipFile(program) as archive:
+        entries = {name: archive.read(name) for name in archive.namelist()}
+    (model,) = [name for name in entries if name.endswith("models/model.json")]
+    text = entries[model].decode()
+    found = re.search(r'"expr_str": "(Symbol\([^"]*\))"', text)
+    assert found, "the exported program has a symbolic size"
+    payload = json.dumps({"expr_str": f"__import__('pathlib').Path('{marker}').touch() or {found[1]}"})
+    entries[model] = text.replace(found[0], payload[1:-1], 1).encode()
+    with zipfile.ZipFile(out, "w") as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+
+
+def test_delivery_spec_a_base_whose_size_expressions_would_run_code_is_refused_before_loading(tmp_path):
+    """``torch.export.load`` hands each ``expr_str`` to ``sympy.sympify``, which evaluates Python."""
+    batch = torch.export.Dim("batch", min=2, max=1024)
+    program = torch.export.export(torch.nn.Linear(3, 2), (torch.ones(4, 3),), dynamic_shapes={"input": {0: batch}})
+    torch.export.save(program, tmp_path / "model.pt2")
+    load_program(tmp_path / "model.pt2")  # the grammar takes what torch writes
+    code_in_an_expression(tmp_path / "model.pt2", tmp_path / "tampered.pt2", tmp_path / "ran")
+    with pytest.raises(UnsafeBase, match="size expression"):
+        load_program(tmp_path / "tampered.pt2")
+    assert not (tmp_path / "ran").exists(), "loading a base ran code from it"

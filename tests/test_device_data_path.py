@@ -141,6 +141,7 @@ def test_pin_the_global_step_loss_scale_is_pinned_when_the_batch_was(monkeypatch
 
 class _ListSource:
     topic = "clicks"
+    topic_partitions = 1
 
     def __init__(self, events: list[RawEvent]):
         self.events = list(events)
@@ -158,6 +159,9 @@ class _ListSource:
 
     def lag(self) -> dict[int, int]:
         return {}
+
+    def pick_up_new_partitions(self) -> list[int]:
+        return []
 
 
 class _NoRejections:

@@ -1,6 +1,7 @@
-"""The project's own broker: it starts on loopback, and never outlives its owner."""
+"""The project's own brokers, one or a cluster of three: they start on loopback, and never outlive their owner."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -8,8 +9,9 @@ import sys
 import time
 
 import pytest
+from confluent_kafka import Consumer, Producer, TopicPartition
 
-from streamtrain.dev.kafka import CLAIM_SECONDS, PORT_CLAIMS, BrokerError, KafkaBroker, free_port
+from streamtrain.dev.kafka import CLAIM_SECONDS, PORT_CLAIMS, BrokerError, KafkaBroker, KafkaCluster, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -40,12 +42,13 @@ def test_the_jvm_dies_with_a_killed_parent():
             sys.executable,
             "-c",
             "from streamtrain.dev.kafka import KafkaBroker; import time; b = KafkaBroker(); b.start(); "
-            "print(b.pid, flush=True); time.sleep(600)",
+            "print(b.pid, b.workdir, flush=True); time.sleep(600)",
         ],
         stdout=subprocess.PIPE,
         text=True,
     )
-    jvm = int(owner.stdout.readline())
+    pid, workdir = owner.stdout.readline().split()
+    jvm = int(pid)
     assert alive(jvm)
     owner.send_signal(signal.SIGKILL)
     owner.wait(timeout=10)
@@ -53,6 +56,7 @@ def test_the_jvm_dies_with_a_killed_parent():
     while alive(jvm) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not alive(jvm)
+    shutil.rmtree(workdir)  # its owner, killed, could not
 
 
 def test_missing_jars_say_how_to_get_them(tmp_path):
@@ -75,3 +79,65 @@ def test_ports_handed_out_are_free_and_not_handed_to_another_process_within_the_
     for taken in (port, port + 1):
         os.utime(PORT_CLAIMS / str(taken), (lapsed, lapsed))
     assert subprocess.run(other, capture_output=True, text=True, check=True).stdout.split() == ["True"]
+
+
+def write(bootstrap_servers: str, topic: str, count: int, tag: bytes) -> None:
+    """``count`` messages, each acknowledged by the in-sync replicas (acks=all), or the test fails."""
+    producer = Producer({"bootstrap.servers": bootstrap_servers, "acks": "all", "message.timeout.ms": 60000})
+    failed = []
+    for i in range(count):
+        producer.produce(topic, b"%s-%d" % (tag, i), on_delivery=lambda error, _m: error and failed.append(error))
+    assert producer.flush(90) == 0 and not failed, failed[:3]
+
+
+def read(bootstrap_servers: str, topic: str, partitions: int) -> list[bytes]:
+    consumer = Consumer({"bootstrap.servers": bootstrap_servers, "group.id": "reader", "enable.auto.commit": False})
+    try:
+        ends = [consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1] for p in range(partitions)]
+        consumer.assign([TopicPartition(topic, p, 0) for p in range(partitions)])
+        values: list[bytes] = []
+        deadline = time.monotonic() + 30
+        while len(values) < sum(ends) and time.monotonic() < deadline:
+            message = consumer.poll(0.5)
+            if message is not None and message.error() is None:
+                values.append(message.value())
+        return values
+    finally:
+        consumer.close()
+
+
+def test_three_nodes_keep_every_acknowledged_write_through_a_kill_and_a_stop_and_leave_no_jvm():
+    cluster = KafkaCluster()
+    cluster.start()
+    try:
+        pids = [node.pid for node in cluster.nodes]
+        assert all(server.startswith("127.0.0.1:") for server in cluster.bootstrap_servers.split(","))
+        cluster.create_topic("events", 3)
+        assert cluster.under_replicated() == []  # three replicas of every partition, all in sync
+        write(cluster.bootstrap_servers, "events", 100, b"before")
+
+        victim = cluster.leader("events", 0)
+        cluster.kill(victim)
+        with pytest.raises(BrokerError, match=f"node\\(s\\) \\[{victim}\\] are down"):
+            cluster.wait_until_fully_replicated(5)
+        # Two replicas stay in sync (min.insync.replicas 2): writes go on once a new leader is elected.
+        write(cluster.bootstrap_servers, "events", 100, b"killed")
+        assert cluster.leader("events", 0) not in (victim, -1)
+        assert any("events/0: " in problem for problem in cluster.under_replicated())
+        cluster.restart(victim)
+        cluster.wait_until_fully_replicated(120)
+
+        other = next(node.node_id for node in cluster.nodes if node.node_id != victim)
+        cluster.stop(other)  # a clean stop hands its leaderships over first
+        assert other not in cluster.leaders("events").values()
+        write(cluster.bootstrap_servers, "events", 100, b"stopped")
+        cluster.restart(other)
+        cluster.wait_until_fully_replicated(120)
+        values = read(cluster.bootstrap_servers, "events", 3)
+        assert sorted(values) == sorted(
+            b"%s-%d" % (tag, i) for tag in (b"before", b"killed", b"stopped") for i in range(100)
+        )
+    finally:
+        cluster.close()
+    assert not any(alive(pid) for pid in pids)
+    assert not any(node.workdir.exists() for node in cluster.nodes)

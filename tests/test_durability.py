@@ -17,18 +17,21 @@ import pytest
 import torch
 import yaml
 from fsspec.implementations.local import LocalFileSystem
+from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import REPO, SCHEMA, end_offsets
 from streamtrain import durable, worker
-from streamtrain.checkpoint import EXIT_RESTORE_REFUSED, Checkpointer, StreamState, list_snapshots
+from streamtrain.checkpoint import Checkpointer, StreamState, list_snapshots
 from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events, produce
 from streamtrain.device import init_distributed
+from streamtrain.exitcodes import ExitCode
 from streamtrain.idspace import IdSpace
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.source import RawEvent
 from streamtrain.train import StepReadout, StepResult, Trainer
+from test_checkpoint import weights
 
 
 def small_config(tmp_path: Path, features: dict | None = None, **checkpoint):
@@ -179,6 +182,95 @@ def test_retention_rm_failure_leaves_the_commit_counted_as_done(tmp_path, monkey
     assert [s.step for s in list_snapshots(config.checkpoint.path)] == [3]
 
 
+def test_restore_takes_the_snapshot_committed_last_as_retention_does_not_an_abandoned_higher_step(tmp_path):
+    """A restart fell back from step 10 (unreadable then) to step 6 and committed step 8; retention keeps all
+    three by commit. The next restart, step 10 readable again, must go on from step 8, this timeline's newest."""
+    config = small_config(tmp_path, keep_last=3)
+    root = Path(config.checkpoint.path)
+    env = init_distributed()
+    batch = one_batch(config)
+
+    def checkpointer(trainer: Trainer) -> Checkpointer:  # a new process each time, as after a restart
+        return Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, 0, 1, None)
+
+    first = Trainer(config, env)
+    saver = checkpointer(first)
+    list(first.train(iter([batch])))  # the optimizer's state exists once a step ran
+    saver.save(StreamState(step=6, next_offsets={0: 6}))
+    list(first.train(iter([batch])))
+    saver.save(StreamState(step=10, next_offsets={0: 10}))
+
+    marker = root / "step-000000010" / "streamtrain.json"
+    kept = marker.read_bytes()
+    marker.unlink()  # unreadable at this restart
+    fell_back = Trainer(config, env)
+    saver = checkpointer(fell_back)
+    assert saver.restore().step == 6
+    marker.write_bytes(kept)  # and readable again
+    list(fell_back.train(iter([batch, batch])))
+    newest = weights(fell_back)
+    saver.save(StreamState(step=8, next_offsets={0: 8}))
+    assert sorted(s.step for s in list_snapshots(str(root))) == [6, 8, 10]  # retention keeps all three
+
+    restarted = Trainer(config, env)
+    assert checkpointer(restarted).restore() == StreamState(step=8, next_offsets={0: 8})
+    assert all(torch.equal(value, newest[key]) for key, value in weights(restarted).items())
+
+
+def test_retention_never_removes_a_snapshot_it_could_not_read_nor_a_pinned_one(tmp_path, monkeypatch):
+    config = small_config(tmp_path, keep_last=1)
+    trainer = Trainer(config, init_distributed())
+    saver = Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, 0, 1, None)
+    unreadable: set[str] = set()  # snapshots whose DCP metadata fails to read, once each
+    read_metadata = FileSystemReader.read_metadata
+
+    def flaky(reader):
+        name = Path(reader.path).name
+        if name in unreadable:
+            unreadable.discard(name)
+            raise OSError(f"injected: {name}'s metadata failed to read")
+        return read_metadata(reader)
+
+    monkeypatch.setattr(FileSystemReader, "read_metadata", flaky)
+
+    def steps() -> list[int]:
+        return sorted(int(p.name[5:]) for p in Path(config.checkpoint.path).glob("step-*"))
+
+    saver.save(StreamState(step=1))
+    saver.save(StreamState(step=2))
+    assert steps() == [2]
+    saver.pinned.add(2)  # an export reads it
+    unreadable.add("step-000000002")
+    saver.save(StreamState(step=3))
+    assert steps() == [2, 3]  # pinned, and unreadable this once: kept
+    saver.pinned.discard(2)
+    unreadable.add("step-000000003")
+    saver.save(StreamState(step=4))
+    assert steps() == [3, 4]  # 3 unreadable this once: kept; 2 readable and let go: removed
+    saver.save(StreamState(step=5))
+    assert steps() == [5]  # readable again, 3 goes as retention says
+
+
+def test_a_snapshot_size_that_cannot_be_read_is_counted_not_raised(tmp_path, monkeypatch):
+    """The size is read on each rank by itself after the ranks agreed on the commit: raising there on one
+    rank would leave the others waiting at the next collective."""
+    config = small_config(tmp_path)
+    trainer = Trainer(config, init_distributed())
+    metrics = WorkerMetrics(100)
+    saver = Checkpointer(config.checkpoint, config, trainer.model, trainer.optimizer, 0, 1, None, metrics)
+    du = LocalFileSystem.du
+
+    def failing(fs, path, *args, **kwargs):
+        if re.search(r"step-\d+$", str(path)):  # a committed snapshot's folder
+            raise OSError("injected: the listing failed")
+        return du(fs, path, *args, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "du", failing)
+    assert saver.save(StreamState(step=1)).step == 1
+    assert metrics.registry.get_sample_value("streamtrain_checkpoint_size_failures_total") == 1
+    assert saver.last_saved_step == 1 and saver.consecutive_failures == 0
+
+
 # --- event time ---------------------------------------------------------------------------------------
 
 
@@ -241,7 +333,7 @@ def test_fresh_start_after_a_restore_that_loads_nothing_exit_7_and_lose_nothing(
     before = tree(root)
 
     refused = start_worker(topic_name, "--until-end", env=env)
-    assert refused.wait(timeout=120) == EXIT_RESTORE_REFUSED, refused.output()[-3000:]
+    assert refused.wait(timeout=120) == ExitCode.RESTORE_REFUSED, refused.output()[-3000:]
     output = refused.output()
     assert all(f"{root / name}: data file" in output for name in damaged), output[-3000:]
     assert "--fresh-start" in output and tree(root) == before  # nothing removed, nothing written

@@ -7,6 +7,7 @@ tests/test_idspace_faults.py."""
 from __future__ import annotations
 
 import copy
+import mmap
 import threading
 from collections import defaultdict
 
@@ -25,7 +26,17 @@ from streamtrain.delivery.publisher import table_keys
 from streamtrain.dev.kafka import free_port
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 from streamtrain.device import gloo_group, init_distributed
-from streamtrain.idspace import MIN_SLICE_IDS, IdMapping, IdSpace, TableIds, TableStep, bucket_start, whole_map
+from streamtrain.idspace import (
+    MIN_SLICE_IDS,
+    IdMapping,
+    IdSpace,
+    TableArrays,
+    TableIds,
+    TableStep,
+    Undo,
+    bucket_start,
+    whole_map,
+)
 from streamtrain.source import RawEvent
 from streamtrain.threads import IDAHEAD, IDMAP
 from streamtrain.train import Trainer
@@ -306,6 +317,20 @@ def test_the_cut_restores_sketch_cells_that_several_waiting_ids_of_a_step_share(
         behind.update({"t": values}, now_ms=at)
     crowded = ahead.update({"t": torch.arange(1_000, 1_000 + 3 * ahead.tables["t"].sketch_width)}, now_ms=3)
     assert_same_state(ahead.state_dict([crowded]), behind.state_dict())
+
+
+def test_the_cut_restores_sketch_cells_numbered_past_2_31():
+    """A sketch of 2**31 cells or more numbers them past int32 (its two hash rows, flattened): the undo
+    keeps the cells' numbers as they are. The cells are an anonymous mapping, made only where touched."""
+    cells = 2**31 + 16
+    sketch = np.frombuffer(mmap.mmap(-1, 2 * cells), dtype=np.uint16).reshape(2, cells // 2)
+    arrays = TableArrays(np.zeros(1, np.int64), np.zeros(1, np.bool_), None, None, None, sketch)
+    far = np.array([2**31 + 5], dtype=np.int64)
+    undo = Undo()
+    undo.write(arrays, "sketch", far)[far] = 7
+    undo.undo(arrays)
+    flat = arrays.flat("sketch")
+    assert flat[2**31 + 5] == 0 and flat[2**31 + 5 - 2**32 + cells] == 0  # not written back elsewhere
 
 
 def test_a_large_step_mapped_on_several_threads_maps_as_one_thread_does():

@@ -253,7 +253,6 @@ def schedule(config, checkpointer=None, restored=None):
         checkpointer,
         restored,
         start_offsets={0: 100, 2: 7},
-        partitions=[0, 2],
         commit=commits.append,
         clock=clock,
     )
@@ -294,6 +293,22 @@ def test_a_snapshot_records_the_stream_at_its_step_and_commits_only_once_written
     assert commits == [] and checkpointer.save_in_flight
     plan.act({"checkpoint": False, "saved": True})
     assert commits == [{0: 104, 2: 7}]
+
+
+def test_partitions_picked_up_while_running_enter_the_cut_and_the_groups_commits(config):
+    # Partition 5 was trained before the restored snapshot, but the start-up metadata missed it.
+    restored = StreamState(step=40, next_offsets={0: 90, 5: 12}, trained={0: 500, 5: 12})
+    plan, _clock, checkpointer, commits = schedule(config, FakeCheckpointer, restored)
+    plan.record(1, click_batch(3, partition=4, next_offset=3))  # added to the topic, read from its beginning
+    plan.record(2, click_batch(2, partition=5, next_offset=14))
+    plan.act({"checkpoint": True, "saved": False})
+    assert checkpointer.in_flight == StreamState(
+        step=42, next_offsets={0: 100, 2: 7, 4: 3, 5: 14}, trained={0: 500, 2: 0, 4: 3, 5: 14},
+        event_time_high_water_ms=1_000,
+    )  # fmt: skip
+    checkpointer.written = True
+    plan.act({"checkpoint": False, "saved": True})
+    assert commits == [{0: 100, 2: 7, 4: 3, 5: 14}]
 
 
 def test_close_finishes_the_save_in_flight_and_takes_a_last_snapshot(config):

@@ -210,6 +210,22 @@ def test_the_directory_target_writes_the_parts_then_the_marker(tmp_path):
     assert whole.rows[0].ids.tolist() == list(range(5)) and whole.dense[0].values.tolist() == [0, 1, 2, 3]
 
 
+def test_the_directory_target_makes_the_folders_it_creates_durable_in_their_parents(tmp_path, monkeypatch):
+    """A delta's name must survive a power loss like its parts: the deltas root (made by the first
+    delta) is fsynced in its parent, and each delta folder in the root."""
+    from streamtrain import durable
+
+    synced: list[str] = []
+    fsync = durable._fsync
+    monkeypatch.setattr(durable, "_fsync", lambda path, directory=False: synced.append(path) or fsync(path, directory))
+    delta = Delta(DeltaId("clicks", 3, 7, 120, 0, 0), dense=[DensePiece("w", (2,), 0, np.ones(2, np.float32))])
+    DirectoryTarget(str(tmp_path / "bucket" / "deltas")).send(delta)
+    root = tmp_path / "bucket" / "deltas"
+    assert str(tmp_path) in synced and str(tmp_path / "bucket") in synced, "the new root's names"
+    assert str(root) in synced, "the delta folder's name in the root"
+    assert synced.index(str(root)) < synced.index(str(root / "delta-000003-000000007" / "COMPLETE.tmp"))
+
+
 def manifest(chain: int, sequence: int) -> str:
     """A manifest with nothing but its position in the chain that matters."""
     fields = dict.fromkeys(["model_id", "source_snapshot"], "m") | dict.fromkeys(["base_version", "step"], 1)

@@ -134,3 +134,49 @@ def follow_deltas_with_the_workers_config(folder: Path, broker: KafkaBroker, top
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_client_properties_set_wholly_from_the_environment_log_in_and_a_wrong_name_exits_2_at_once(
+    sasl_kafka, topic_name, start_worker, tmp_path
+):
+    """The SASL login from variables alone, each dot of a property written __ (as an operator's
+    pod spec sets them), trains; a property librdkafka does not know stops the worker at start-up
+    with exit code 2 naming it and the variable meant, not at the first connection."""
+    produce(
+        sasl_kafka.bootstrap_servers,
+        topic_name,
+        500,
+        partitions=2,
+        seed=81,
+        schema_path=SCHEMA,
+        client_config=sasl_kafka.client_config,
+    )
+    secret = tmp_path / "kafka-password"
+    secret.write_text(PASSWORD + "\n")
+    login = {
+        "STREAMTRAIN_KAFKA__CLIENT_CONFIG__SECURITY__PROTOCOL": "SASL_PLAINTEXT",
+        "STREAMTRAIN_KAFKA__CLIENT_CONFIG__SASL__MECHANISM": "SCRAM-SHA-512",
+        "STREAMTRAIN_KAFKA__CLIENT_CONFIG__SASL__USERNAME": USER,
+        "STREAMTRAIN_KAFKA__CLIENT_CONFIG_FILES__SASL__PASSWORD": str(secret),
+        "STREAMTRAIN_DEAD_LETTER__ENABLED": "false",
+    }
+    worker = start_worker(topic_name, "--until-end", broker=sasl_kafka, env=login)
+    # A long connect timeout: a refusal at connect would take it, a refusal at start-up does not.
+    misnamed = start_worker(
+        topic_name,
+        broker=sasl_kafka,
+        env={
+            **login,
+            "STREAMTRAIN_KAFKA__CLIENT_CONFIG__SASL_MECHANISM": "SCRAM-SHA-512",
+            "STREAMTRAIN_KAFKA__CONNECT_TIMEOUT_SECONDS": "600",
+        },
+    )
+    assert misnamed.wait(timeout=120) == 2, misnamed.output()[-3000:]
+    assert (
+        "kafka.client_config: 'sasl_mechanism': librdkafka has no such property; did you mean 'sasl.mechanism'? "
+        "In an environment variable, write each dot of a property as __: "
+        "STREAMTRAIN_KAFKA__CLIENT_CONFIG__SASL__MECHANISM" in misnamed.output()
+    ), misnamed.output()[-3000:]
+    assert worker.wait(timeout=180) == 0, worker.output()[-3000:]
+    assert "500 events trained" in worker.output()
+    assert PASSWORD not in worker.output() + misnamed.output()

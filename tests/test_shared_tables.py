@@ -44,6 +44,10 @@ def raw_config(shared: bool = True) -> dict:
         (lambda t: t[RECENT].update(num_embeddings=100), "features.tables.8.num_embeddings: 100, but the table"),
         (lambda t: t[RECENT].update(pooling="mean"), "features.tables.8.pooling: 'mean', but the table it shares"),
         (lambda t: t[RECENT].update(sharding_types=["table_wise"]), "set sharding_types and compute_kernels there"),
+        (  # two id maps would give away rows of one table (cate_id is features.tables.2)
+            lambda t: [x.pop("num_embeddings") and x.update(id_mapping="managed", rows=99) for x in (t[2], t[RECENT])],
+            "features.tables.8.shares_table_with: cate_id is managed",
+        ),
     ],
 )
 def test_a_shared_table_that_does_not_match_its_owner_is_refused_naming_the_field(change, message):

@@ -8,15 +8,16 @@ import time
 from datetime import UTC, datetime
 
 import pytest
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, Producer, TopicPartition
 
 from conftest import SCHEMA
 from streamtrain.config import DeadLetterConfig, KafkaConfig
-from streamtrain.deadletter import DeadLetterWriter
+from streamtrain.deadletter import DeadLetterWriter, dead_letter_topic
 from streamtrain.dev.kafka import free_port
 from streamtrain.dev.produce import produce
 from streamtrain.metrics import WorkerMetrics
 from streamtrain.source import KAFKA_LOG, KafkaSource, consumer_properties
+from streamtrain.topics import OutputTopicMissing, ensure_topics
 
 
 def test_client_config_overrides_the_consumer_defaults_but_not_what_streamtrain_owns():
@@ -52,7 +53,8 @@ def test_librdkafka_logs_through_python_logging_not_raw_to_stderr(caplog, capfd)
     finally:
         consumer.close()
     writer = DeadLetterWriter(DeadLetterConfig(), dead, WorkerMetrics())
-    writer.check_topic(timeout=1.0)
+    with pytest.raises(OutputTopicMissing, match=r"clicks\.dlq"):
+        ensure_topics(dead, [dead_letter_topic(DeadLetterConfig(), dead)], timeout=1.0)
     writer.close(timeout=1.0)
     from_librdkafka = [r for r in caplog.records if r.name == "streamtrain.kafka"]
     assert any(
@@ -132,3 +134,33 @@ def test_start_at_latest_or_a_time_in_the_middle_or_beyond_the_last_message(kafk
 def test_start_at_does_not_move_a_restored_snapshots_positions(kafka, topic_name, two_bursts):
     _first, _moment, _ends = two_bursts
     assert start_positions(kafka, topic_name, "latest", start_offsets={0: 5}) == {0: 5, 1: 0}
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("fetch_queue", [True, False])
+def test_until_end_reaches_the_end_of_a_transactional_topic(kafka, topic_name, fetch_queue):
+    """A transaction's marker takes the offset after its last message, so the end offset is reached
+    through the partition's EOF, also when the EOF comes in one batch with the last messages (an
+    exactly-once joiner writes the topic this way)."""
+    kafka.create_topic(topic_name, partitions=2)
+    producer = Producer({"bootstrap.servers": kafka.bootstrap_servers, "transactional.id": topic_name})
+    producer.init_transactions(30)
+    for commit_it in (True, False, True):
+        producer.begin_transaction()
+        for i in range(10):
+            producer.produce(topic_name, b"%d" % i, partition=i % 2)
+        producer.flush(30)  # the aborted ones too are written, then skipped by the reader
+        (producer.commit_transaction if commit_it else producer.abort_transaction)(30)
+    del producer  # closed while the broker is up
+    config = KafkaConfig(
+        bootstrap_servers=kafka.bootstrap_servers, topic=topic_name, group_id=topic_name, fetch_queue=fetch_queue
+    )
+    source = KafkaSource(config, until_end=True)
+    try:
+        read, deadline = 0, time.monotonic() + 30
+        while not source.exhausted and time.monotonic() < deadline:
+            read += len(source.poll(1000, 2.0))  # waits the 2 s: all the messages and the EOFs in one batch
+        assert read == 20, "the aborted transaction's 10 are skipped"
+        assert source.next_offset == source.end_offset == {0: 18, 1: 18}  # 3 x (5 messages + a marker)
+    finally:
+        source.close()

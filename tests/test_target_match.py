@@ -11,7 +11,7 @@ import torch
 import yaml
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from streamtrain.config import ConfigError, TargetMatchConfig, parse_config
+from streamtrain.config import ConfigError, parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.delivery.artifact import ScoringModule, export_program, unsharded_model
 from streamtrain.dev.produce import AvroEncoder, ClickStream
@@ -98,16 +98,18 @@ def test_matches_of_unknown_or_unlike_features_are_refused_naming_the_field(matc
         parse_config(raw_config(target_matches=[match]), environ={})
 
 
-def test_managed_tables_match_only_through_one_shared_table():
+def test_managed_tables_cannot_match_their_rows_are_given_per_table_and_none_is_shared():
     raw = raw_config()
     tables = {t["name"]: t for t in raw["features"]["tables"]}
     for name in ("cate_id", "recent_cate_ids"):
         tables[name] |= {"id_mapping": "managed", "rows": 12961}
         del tables[name]["num_embeddings"]
-    with pytest.raises(ConfigError, match="map ids to rows differently"):
+    with pytest.raises(ConfigError, match="map ids to rows differently") as refused:
         parse_config(raw, environ={})
+    assert "shares_table_with" not in str(refused.value)  # no way out through a shared managed table
     tables["recent_cate_ids"]["shares_table_with"] = "cate_id"
-    assert parse_config(raw, environ={}).model.target_matches == [TargetMatchConfig(**CATE_MATCH)]
+    with pytest.raises(ConfigError, match=r"features\.tables\.8\.shares_table_with: cate_id is managed"):
+        parse_config(raw, environ={})
 
 
 def test_the_served_program_computes_the_counts_as_training_does():

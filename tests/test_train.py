@@ -8,7 +8,7 @@ import torch
 import yaml
 
 from streamtrain import train
-from streamtrain.config import parse_config
+from streamtrain.config import ConfigError, parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 from streamtrain.device import init_distributed
@@ -116,3 +116,33 @@ def test_a_step_is_a_range_in_a_torch_profile_and_costs_no_range_otherwise(confi
     for _result in trainer.train(iter(real[:3])):
         pass
     assert not [name for name in entered if name.startswith("streamtrain.")]
+
+
+def test_a_table_fbgemms_kernel_cannot_build_is_refused_at_plan_time_and_trains_on_the_dense_kernel(batches):
+    """A table 6 wide, planned table_wise on fbgemm's fused kernel, would fail in TorchRec at start-up
+    (local_cols not divisible by 4, exit 1); the plan refuses it as a bad config, naming the field and the fix,
+    for `streamtrain plan` and the worker alike. The fix it names builds and trains."""
+    raw = yaml.safe_load((REPO / "tests" / "worker-small.yaml").read_text())
+    raw["kafka"] = {"bootstrap_servers": "unused:9092", "topic": "unused"}
+    raw["model"]["dense_arch_layer_sizes"] = [16, 6]
+    for table in raw["features"]["tables"]:
+        table["embedding_dim"] = 6
+    narrow = parse_config(raw, environ={})
+    with pytest.raises(ConfigError) as refused:
+        train.plan_sharding(narrow, 2, "cpu")  # the dry run `streamtrain plan` makes
+    message = str(refused.value)
+    assert (
+        "features.tables.0.embedding_dim: user_id is 6 wide, and the planner put it table_wise on fbgemm's fused "
+        "kernel in shards [6] wide, which that kernel takes only in multiples of 4" in message
+    )
+    assert "compute_kernels: [dense]" in message and "STREAMTRAIN_FEATURES__TABLES__0__EMBEDDING_DIM" in message
+    assert "pid" not in message  # a data_parallel replica runs on the dense kernel: not refused
+
+    for table in raw["features"]["tables"]:
+        table["compute_kernels"] = ["dense"]
+    trainer = Trainer(parse_config(raw, environ={}), init_distributed())
+    before = table_weights(trainer)
+    results = list(trainer.train(iter(batches[0][:2])))
+    assert len(results) == 2 and all(torch.isfinite(torch.tensor(r.loss_sum)) for r in results)
+    after = table_weights(trainer)
+    assert not torch.equal(before["user_id"], after["user_id"])  # trained on the dense kernel

@@ -8,9 +8,6 @@ import copy
 import json
 import logging
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -21,6 +18,7 @@ from confluent_kafka.schema_registry.avro import AvroSerializer
 from confluent_kafka.serialization import MessageField, SerializationContext
 
 from conftest import SCHEMA, SMALL_CONFIG
+from schema_registry import StandInRegistry, stand_in_registry
 from streamtrain.config import ConfigError, SchemaRegistryConfig, parse_config
 from streamtrain.decode import AvroBatchDecoder, FastavroDecoder
 from streamtrain.dev.produce import AvroEncoder, ClickStream
@@ -177,7 +175,7 @@ def test_a_bad_writer_schema_file_dead_letters_its_events_as_bad_writer_schema(t
 
 
 def test_a_registry_answer_that_is_not_a_schema_is_a_bad_writer_schema(http_registry, caplog):
-    _Registry.schemas.update({8: "{not json", 9: json.dumps({"type": "nosuch"})})
+    StandInRegistry.schemas.update({8: "{not json", 9: json.dumps({"type": "nosuch"})})
     features = small_features(wire_format="confluent", schema_registry={"url": http_registry})
     source = SchemaRegistry(
         SchemaRegistryConfig(url=http_registry, timeout_seconds=20, client_config={"max.retries": 0})
@@ -190,7 +188,7 @@ def test_a_registry_answer_that_is_not_a_schema_is_a_bad_writer_schema(http_regi
     assert [(o, r.split(":")[0]) for o, r in rejected] == [(1, "bad_writer_schema"), (2, "bad_writer_schema")]
     assert f"writer schema 8: schema id 8 at {http_registry} is not JSON" in rejected[0][1]
     assert "writer schema 9: not a valid Avro schema" in rejected[1][1]
-    assert _Registry.requests == 3, "each id asked once"
+    assert StandInRegistry.requests == 3, "each id asked once"
 
 
 def test_wire_format_config_names_the_missing_source():
@@ -207,54 +205,19 @@ def test_wire_format_config_names_the_missing_source():
         small_features(wire_format="confluent", schema_registry={"url": "https://me:secret@registry:8081"})
 
 
-class _Registry(BaseHTTPRequestHandler):
-    """The registry's REST surface for GET /schemas/ids/<id>: fails ``failures`` times, then answers."""
-
-    schemas: ClassVar[dict[int, str]] = {}
-    failures = 0
-    requests = 0
-
-    def do_GET(self):
-        type(self).requests += 1
-        schema_id = int(self.path.split("?")[0].rstrip("/").rsplit("/", 1)[-1])
-        if type(self).failures > 0:
-            type(self).failures -= 1
-            self._reply(503, {"error_code": 50301, "message": "overloaded"})
-        elif schema_id in self.schemas:
-            self._reply(200, {"schema": self.schemas[schema_id]})
-        else:
-            self._reply(404, {"error_code": 40403, "message": "Schema not found"})
-
-    def _reply(self, status: int, body: dict) -> None:
-        data = json.dumps(body).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/vnd.schemaregistry.v1+json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args) -> None:
-        pass
-
-
 @pytest.fixture
 def http_registry():
-    _Registry.schemas, _Registry.failures, _Registry.requests = {7: json.dumps(writer_v2())}, 0, 0
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Registry)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_port}"
-    server.shutdown()
-    server.server_close()
+    with stand_in_registry({7: json.dumps(writer_v2())}) as url:
+        yield url
 
 
 def test_registry_over_http_retries_outages_and_knows_unknown_ids(http_registry):
     source = SchemaRegistry(
         SchemaRegistryConfig(url=http_registry, timeout_seconds=20, client_config={"max.retries": 0})
     )
-    _Registry.failures = 2
+    StandInRegistry.failures = 2
     assert source.writer_schema(7)["fields"][0]["name"] == "clk"
-    assert _Registry.requests == 3, "two 503s, then the schema"
+    assert StandInRegistry.requests == 3, "two 503s, then the schema"
     assert source.writer_schema(8) is None
 
 
@@ -262,7 +225,7 @@ def test_an_unreachable_registry_stops_instead_of_guessing(http_registry):
     source = SchemaRegistry(
         SchemaRegistryConfig(url=http_registry, timeout_seconds=1.5, client_config={"max.retries": 0})
     )
-    _Registry.failures = 1000
+    StandInRegistry.failures = 1000
     with pytest.raises(SchemaSourceUnavailable, match="did not answer for schema id 7"):
         source.writer_schema(7)
 

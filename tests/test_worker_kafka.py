@@ -94,6 +94,20 @@ def test_sigterm_mid_stream_exits_zero_promptly(kafka, topic_name, start_worker,
     assert producer.produced() > 0
 
 
+def test_a_stop_and_a_snapshot_asked_for_while_the_worker_starts_are_carried_out_not_fatal(
+    kafka, topic_name, start_worker, tmp_path
+):
+    # The metrics port (and the probes on it) answers long before the worker trains: a supervisor may
+    # stop it, or ask for a snapshot, from then on, and neither may kill it with the signal's default.
+    produce(kafka.bootstrap_servers, topic_name, 2_000, partitions=PARTITIONS, schema_path=SCHEMA)
+    worker = start_worker(topic_name, env={"STREAMTRAIN_CHECKPOINT__PATH": str(tmp_path / "snapshots")})
+    worker.wait_for(lambda: "metrics on http" in worker.output(), timeout=120, what="the metrics port")
+    worker.signal(signal.SIGUSR1)
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=180) == 0, worker.output()[-3000:]
+    assert "SIGTERM received: stopping as soon as the worker has started" in worker.output()
+
+
 def test_bad_config_is_rejected_naming_the_field(tmp_path, kafka):
     config = tmp_path / "worker.yaml"
     config.write_text((REPO / "tests" / "worker-small.yaml").read_text().replace("batch_size: 256", "batch_size: -5"))

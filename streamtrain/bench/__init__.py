@@ -7,10 +7,12 @@ PNG plots.
 
 Adding a benchmark: write ``streamtrain/bench/<name>.py`` with
 
-- ``add_arguments(parser)``: its own options (``--config`` and ``--quick`` are already there);
+- ``add_arguments(parser)``: its own options (``--config`` and ``--quick`` are already there;
+  ``DEFAULT_CONFIG``, a path in the checkout, and ``QUICK_HELP`` change their default and help);
 - ``run(args, progress) -> dict``: runs it, returns the JSON-able result, with
   ``"benchmark": NAME`` and ``"machine": common.machine()``; ``--quick`` must finish in under a
-  minute and prove only that it works;
+  minute and prove only that it works (a benchmark in ``ON_DEMAND``, which ``bench all`` leaves
+  out, may take longer and says how long);
 - ``table(result) -> str``: the text table printed after the run, below a line naming the
   benchmark and the machine;
 - optionally ``markdown(result) -> str`` and ``plot(result, directory) -> list[Path]`` for
@@ -80,7 +82,14 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "streamtrain.bench.idspace",
         "hash-mod against the managed id mapping at the same memory on a drifting stream, beside a 40x reference",
     ),
+    "soak": (
+        "streamtrain.bench.soak",
+        "3 Kafka nodes, worker, serve for --minutes under random broker, rank and serve faults: lost, trained twice, "
+        "stale",
+    ),
 }
+# Run only when named: they last as long as they are told, not a benchmark's minutes.
+ON_DEMAND = {"soak"}
 
 
 def module(name: str) -> ModuleType:
@@ -90,7 +99,7 @@ def module(name: str) -> ModuleType:
 def describe() -> str:
     lines = [f"{name}: {text}" for name, (_m, text) in BENCHMARKS.items()]
     lines += [
-        "all: every benchmark above in turn (with --quick: each in its quick size), then report",
+        "all: every benchmark above but soak in turn (with --quick: each in its quick size), then report",
         "report: render the newest result of each benchmark as markdown and PNG plots",
     ]
     return "\n".join(lines)
@@ -110,14 +119,17 @@ def parser_for(name: str) -> argparse.ArgumentParser:
             description=bench.__doc__,
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
+        config = getattr(bench, "DEFAULT_CONFIG", Path("deploy") / "worker.yaml")
         parser.add_argument(
             "--config",
             type=Path,
-            default=CHECKOUT / "deploy" / "worker.yaml",
-            help="the worker config whose model is trained (default deploy/worker.yaml)",
+            default=CHECKOUT / config,
+            help=f"the worker config whose model is trained (default {config})",
         )
         parser.add_argument(
-            "--quick", action="store_true", help="a small size, under a minute: proves it runs, judges nothing"
+            "--quick",
+            action="store_true",
+            help=getattr(bench, "QUICK_HELP", "a small size, under a minute: proves it runs, judges nothing"),
         )
         bench.add_arguments(parser)
         return parser
@@ -172,7 +184,7 @@ def main(name: str, argv: list[str]) -> int:
         return 0
     failed = []
     for bench in BENCHMARKS:
-        if bench in args.skip:
+        if bench in args.skip or bench in ON_DEMAND:
             continue
         _progress(f"=== bench {bench}{' --quick' if args.quick else ''}")
         try:

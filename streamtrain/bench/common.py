@@ -166,14 +166,36 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def listening(port: int) -> bool:
+    """Whether a socket on this host listens on TCP ``port``. Ask before connecting to a port a
+    process is still to bind: a connection to a port nobody listens on may get that very port as
+    its own (the kernel hands out the same range), connect to itself, and hold the port, so that
+    the process then fails to bind it ("Address already in use")."""
+    hex_port = f":{port:04X}"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) > 3 and fields[1].endswith(hex_port) and fields[3] == "0A":  # 0A: LISTEN
+                return True
+    return False
+
+
 def scrape(port: int, timeout: float = 2.0) -> dict[str, float]:
-    """A metrics endpoint's samples as {'name{labels}': value}; empty if it does not answer."""
+    """A metrics endpoint's samples as {'name{labels}': value}; empty if it does not answer (or
+    listens not yet: ``listening``)."""
+    import http.client
     import urllib.request
 
+    if not listening(port):
+        return {}
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout) as reply:
             text = reply.read().decode()
-    except OSError:
+    except (OSError, http.client.HTTPException):
         return {}
     samples = {}
     for line in text.splitlines():

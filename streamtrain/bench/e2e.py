@@ -629,6 +629,11 @@ def markdown(result: dict) -> str:
             )
             + "."
         )
+    for model, figures in result.get("models", {}).items():
+        rows.append(
+            f"\nThe worker with `{model}`: {rate_text(figures['events_per_second'])}, "
+            f"**{figures['over_dlrm']:.2f}** x DLRM's in the same run."
+        )
     if legs["worker"].get("data_wait_share") is not None:
         rows.append(
             f"\nThe worker's trainer waited for data (and the ranks' vote) "
@@ -738,7 +743,8 @@ def cpu_table(result: dict) -> list[str]:
         )
     if result.get("loadavg"):
         rows.append(
-            f"Load average (1, 5, 15 min) before the run {result['loadavg']['before']}, "
+            ("" if result.get("cpu_per_event_ratio") else "\n")
+            + f"Load average (1, 5, 15 min) before the run {result['loadavg']['before']}, "
             f"after {result['loadavg']['after']}."
         )
     return rows

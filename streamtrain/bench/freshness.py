@@ -277,7 +277,8 @@ def table(result: dict) -> str:
 
 def markdown(result: dict) -> str:
     rows = [
-        f"Max throughput measured first: {rate_text(result['max_events_per_second'])}; "
+        (f"Batches of {result['batch_size']:,} events a rank. " if "batch_size" in result else "")
+        + f"Max throughput measured first: {rate_text(result['max_events_per_second'])}; "
         f"{result['seconds']:g} s of producing per load, the first {result['warm_up_seconds']:g} s excluded.\n",
         "| load | produced | trained | p50 | p99 | max |",
         "|---|---|---|---|---|---|",

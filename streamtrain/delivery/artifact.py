@@ -18,13 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import pickle
 import shutil
 import tempfile
-import threading
 import time
-import zipfile
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +39,7 @@ from streamtrain.checkpoint import MARKER, SnapshotInfo, list_snapshots, verify_
 from streamtrain.config import FeaturesConfig, ModelConfig, TaskConfig, default_tasks
 from streamtrain.decode import ClickBatch
 from streamtrain.delivery.deltas import Delta, IdPiece
+from streamtrain.delivery.safeload import load_program
 from streamtrain.delivery.spec import (
     CURRENT,
     FORMAT_VERSION,
@@ -52,7 +51,9 @@ from streamtrain.delivery.spec import (
     IdMap,
     Manifest,
     Parameters,
+    base_file,
     base_name,
+    current_pointer,
     parse_base,
     read_current,
     read_manifest,
@@ -67,9 +68,6 @@ log = logging.getLogger(__name__)
 READER_SCHEMA = "reader.avsc"
 WRITER_SCHEMAS = "writer_schemas"
 _TABLE_FIELDS = {"name", "field", "num_embeddings", "embedding_dim", "pooling", "id_mapping"}
-_FORCE_SAFE = "TORCH_FORCE_WEIGHTS_ONLY_LOAD"
-_CUSTOM_OBJ = "custom_obj_"
-_OPAQUE_OBJ = "opaque_obj_"
 
 
 class ExportError(RuntimeError):
@@ -347,7 +345,7 @@ def _own_version() -> str:
 
 
 def _point_current(out: Path, version: int, name: str) -> None:
-    durable.publish_file(LocalFileSystem(), str(out / CURRENT), json.dumps({"version": version, "path": name}).encode())
+    durable.publish_file(LocalFileSystem(), str(out / CURRENT), current_pointer(version, name))
 
 
 def _retain(out: Path, keep: int) -> None:
@@ -363,10 +361,12 @@ def base_features(manifest: Manifest, base_dir: Path) -> tuple[FeaturesConfig, l
     """The feature config and tasks a base's events are decoded with, its schemas resolved inside it."""
     record = manifest.config
     features_record = dict(record["features"])
-    # The schemas travel inside the base: resolve them there, wherever the server runs.
-    features_record["schema_path"] = str(base_dir / features_record["schema_path"])
-    if features_record.get("writer_schemas_dir") == WRITER_SCHEMAS:
-        features_record["writer_schemas_dir"] = str(base_dir / WRITER_SCHEMAS)
+    # The schemas travel inside the base: resolve them there, wherever the server runs, and nowhere else.
+    schema_path = features_record.get("schema_path")
+    features_record["schema_path"] = str(base_file(base_dir, str(schema_path or ""), "features.schema_path"))
+    writer_schemas = features_record.get("writer_schemas_dir")
+    if writer_schemas is not None:
+        features_record["writer_schemas_dir"] = str(base_file(base_dir, str(writer_schemas), "writer_schemas_dir"))
     features, _model, tasks = servable_config({**record, "features": features_record})
     return features, tasks
 
@@ -395,6 +395,10 @@ class ServedIds:
         self.unknown_row = unknown_row
         self.row_of: dict[int, int] = {}
         self.id_at: dict[int, int] = {}
+        # While an ``undoable`` block runs: (map, key, the value before) for each change, in order;
+        # None once a clear() has noted the whole maps (nothing after it needs noting).
+        self._journal: list[tuple[dict[int, int], int, int | None]] | None = None
+        self._before_clear: tuple[dict[int, int], dict[int, int]] | None = None
         self.assign(rows, ids)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -405,64 +409,57 @@ class ServedIds:
         for row, raw in zip(rows.tolist(), ids.tolist(), strict=True):
             previous = self.id_at.get(row)
             if previous is not None and self.row_of.get(previous) == row:
-                del self.row_of[previous]
+                self._set(self.row_of, previous, None)
             moved_from = self.row_of.get(raw)
             if moved_from is not None and self.id_at.get(moved_from) == raw:
-                del self.id_at[moved_from]
-            self.row_of[raw], self.id_at[row] = row, raw
+                self._set(self.id_at, moved_from, None)
+            self._set(self.row_of, raw, row)
+            self._set(self.id_at, row, raw)
 
     def evict(self, rows: np.ndarray, ids: np.ndarray) -> None:
         for row, raw in zip(rows.tolist(), ids.tolist(), strict=True):
             if self.row_of.get(raw) == row:
-                del self.row_of[raw]
+                self._set(self.row_of, raw, None)
             if self.id_at.get(row) == raw:
-                del self.id_at[row]
+                self._set(self.id_at, row, None)
 
     def clear(self) -> None:
+        if self._journal is not None and self._before_clear is None:
+            self._before_clear = (self.row_of, self.id_at)
         self.row_of, self.id_at = {}, {}
 
+    def _set(self, mapping: dict[int, int], key: int, value: int | None) -> None:
+        """``mapping[key] = value`` (None: removes it), noted in the journal."""
+        if self._journal is not None and self._before_clear is None:
+            self._journal.append((mapping, key, mapping.get(key)))
+        if value is None:
+            del mapping[key]
+        else:
+            mapping[key] = value
 
-class UnsafeBase(FormatError):
-    """A base whose program would run code from its folder when loaded."""
-
-    def __init__(self, message: str):
-        super().__init__("unsafe_base", message)
-
-
-_LOAD_LOCK = threading.Lock()
-
-
-def load_program(path: Path) -> torch.export.ExportedProgram:
-    """``torch.export.load`` without unpickling what a writer of the model folder controls.
-
-    torch 2.13's loader unpickles with ``weights_only=False`` the weights and constants that are
-    tensor subclasses, and legacy weight files; it unpickles custom and opaque objects with plain
-    pickle; and it falls back to ``weights_only=False`` for sample inputs it cannot load safely.
-    Our export writes none of these (plain tensors are raw bytes plus JSON metadata), so a program
-    that holds an object file is refused, and every ``torch.load`` the loader makes is forced to
-    ``weights_only=True`` (``TORCH_FORCE_WEIGHTS_ONLY_LOAD``, set only around the load, under a
-    lock: the variable is the process's)."""
-    with zipfile.ZipFile(path) as archive:
-        for name in archive.namelist():
-            leaf = name.rsplit("/", 1)[-1]
-            if leaf.startswith((_CUSTOM_OBJ, _OPAQUE_OBJ)):
-                raise UnsafeBase(f"{path} holds {name}, a pickled object: refused (a base holds tensors only)")
-    with _LOAD_LOCK:
-        previous = os.environ.get(_FORCE_SAFE)
-        os.environ[_FORCE_SAFE] = "1"
+    @contextmanager
+    def undoable(self) -> Iterator[None]:
+        """The changes made inside are taken back if it raises."""
+        self._journal, self._before_clear = [], None
         try:
-            return torch.export.load(path)
-        except pickle.UnpicklingError as error:
-            raise UnsafeBase(f"{path} holds a pickle that is not plain tensors: refused ({error})") from None
+            yield
+        except BaseException:
+            for mapping, key, before in reversed(self._journal):
+                if before is None:
+                    mapping.pop(key, None)
+                else:
+                    mapping[key] = before
+            if self._before_clear is not None:
+                self.row_of, self.id_at = self._before_clear
+            raise
         finally:
-            if previous is None:
-                del os.environ[_FORCE_SAFE]
-            else:
-                os.environ[_FORCE_SAFE] = previous
+            self._journal, self._before_clear = None, None
 
 
 class ServableModel:
-    """A base loaded for scoring in this process: no process group, no DMP."""
+    """A base loaded for scoring in this process: no process group, no DMP. Everything a score
+    needs is read when it loads (program, manifest, id maps; a ``Scorer`` reads the schemas), so
+    the base's folder may be removed by retention while it is served."""
 
     def __init__(self, base_dir: str | Path):
         self.path = Path(base_dir)
@@ -479,8 +476,18 @@ class ServableModel:
         self.dense = {state_name: parameters[name] for state_name, name in names.dense.items()}
         self.id_maps: dict[str, ServedIds] = {}
         for table, entry in self.manifest.id_maps.items():
-            with np.load(self.path / entry.file, allow_pickle=False) as arrays:
+            with np.load(base_file(self.path, entry.file, f"id_maps.{table}.file"), allow_pickle=False) as arrays:
                 self.id_maps[table] = ServedIds(arrays[f"{table}.rows"], arrays[f"{table}.ids"], entry.unknown_row)
+        try:  # a base that loads but cannot score is refused here, not at its first request
+            with torch.no_grad():
+                self.module(*_example(self.features, 2))
+        except Exception as error:
+            raise FormatError("base", f"{self.path}: its program fails on two events: {error!r:.300}") from error
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of every table and dense parameter: about what a delta carrying all of them holds."""
+        return sum(p.numel() * p.element_size() for p in (*self.tables.values(), *self.dense.values()))
 
     def score(self, batch: ClickBatch) -> np.ndarray:
         """Click probabilities [B, tasks], in the manifest's task order."""
@@ -507,8 +514,29 @@ class ServableModel:
         return torch.cat(mapped)
 
     def apply(self, delta: Delta) -> None:
-        """Writes the delta's rows and dense values into the parameters. Checks every piece first,
-        so a delta that does not fit this base changes nothing."""
+        """Writes the delta into the served state, all or nothing: every piece is checked and staged
+        before anything is written (a delta that does not fit raises ``DeltaMismatch``), and if a
+        write still fails, what was written is put back before the error goes on."""
+        writes = self._staged(delta)
+        written: list[tuple[torch.Tensor, Any, torch.Tensor]] = []
+        try:
+            with torch.no_grad(), ExitStack() as maps:
+                for target, index, values in writes:
+                    written.append((target, index, target[index].clone()))
+                    target[index] = values
+                for served in self.id_maps.values():
+                    maps.enter_context(served.undoable())
+                self._apply_ids(delta.ids)
+        except BaseException:
+            with torch.no_grad():
+                for target, index, before in reversed(written):
+                    target[index] = before
+            raise
+
+    def _staged(self, delta: Delta) -> list[tuple[torch.Tensor, Any, torch.Tensor]]:
+        """Each write the delta makes, as (parameter, index, values); DeltaMismatch for a piece that
+        does not fit this base."""
+        writes: list[tuple[torch.Tensor, Any, torch.Tensor]] = []
         for row in delta.rows:
             table = self.tables.get(row.table)
             if table is None:
@@ -522,6 +550,9 @@ class ServableModel:
                 )
             if len(row.ids) and (row.ids.min() < 0 or row.ids.max() >= rows):
                 raise DeltaMismatch(f"delta {delta.id.sequence}: rows of {row.table} outside its {rows} x {dim} weight")
+            ids = torch.from_numpy(np.array(row.ids, dtype=np.int64))  # a chunk's arrays are read-only
+            values = torch.from_numpy(np.array(row.values, dtype=np.float32))
+            writes.append((table, (ids, slice(row.column, row.column + width)), values))
         for mapped in delta.ids:
             table = self.tables.get(mapped.table)
             if mapped.table not in self.id_maps or table is None:
@@ -538,22 +569,15 @@ class ServableModel:
                 tuple(parameter.shape) != tuple(piece.shape)
                 or piece.offset < 0
                 or piece.offset + piece.values.size > parameter.numel()
+                or not parameter.is_contiguous()
             ):
                 raise DeltaMismatch(
                     f"delta {delta.id.sequence}: elements [{piece.offset}, {piece.offset + piece.values.size}) of "
                     f"{piece.name}, {tuple(piece.shape)} in the delta, {tuple(parameter.shape)} here"
                 )
-        with torch.no_grad():
-            for row in delta.rows:
-                table = self.tables[row.table]
-                width = row.values.shape[1]
-                ids = torch.from_numpy(np.array(row.ids, dtype=np.int64))  # a chunk's ids are read-only
-                table[ids, row.column : row.column + width] = torch.from_numpy(np.array(row.values, np.float32))
-            for piece in delta.dense:
-                flat = self.dense[piece.name].view(-1)
-                end = piece.offset + piece.values.size
-                flat[piece.offset : end] = torch.from_numpy(np.array(piece.values, np.float32))
-        self._apply_ids(delta.ids)
+            values = torch.from_numpy(np.array(piece.values, dtype=np.float32).reshape(-1))
+            writes.append((parameter.view(-1), slice(piece.offset, piece.offset + values.numel()), values))
+        return writes
 
     def _apply_ids(self, pieces: list[IdPiece]) -> None:
         """Evictions first, then the rows' ids at the delta's step; a whole map replaces the table's."""

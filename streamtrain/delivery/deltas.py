@@ -142,24 +142,30 @@ def decode_chunk(data: bytes) -> tuple[ChunkHeader, RowPiece | DensePiece | IdPi
         header = parse_chunk_header(data[8 : 8 + length])
     except FormatError as error:
         raise DeltaFormatError(error.reason, str(error)) from None
-    body = memoryview(data)[8 + length :]
+    try:
+        return header, _piece(header, memoryview(data)[8 + length :])
+    except ValueError as error:  # numpy's: a shape no array can have, e.g. 0 rows of 2**62 columns
+        raise DeltaFormatError("body_size", f"a {header.kind} chunk's body cannot be laid out: {error}") from None
+
+
+def _piece(header: ChunkHeader, body: memoryview) -> RowPiece | DensePiece | IdPiece:
     count = header.count
     if isinstance(header, RowsHeader):
         if len(body) != count * (8 + 4 * header.width):
             raise DeltaFormatError("body_size", f"a rows chunk of {count} x {header.width} has {len(body)} body bytes")
         ids = np.frombuffer(body, dtype="<i8", count=count)
         values = np.frombuffer(body, dtype="<f4", offset=8 * count).reshape(count, header.width)
-        return header, RowPiece(header.section, ids, header.column, values)
+        return RowPiece(header.section, ids, header.column, values)
     if isinstance(header, DenseHeader):
         if len(body) != 4 * count:
             raise DeltaFormatError("body_size", f"a dense chunk of {count} values has {len(body)} body bytes")
         values = np.frombuffer(body, dtype="<f4", count=count)
-        return header, DensePiece(header.section, tuple(header.shape), header.offset, values)
+        return DensePiece(header.section, tuple(header.shape), header.offset, values)
     if len(body) != 16 * count:
         raise DeltaFormatError("body_size", f"an {header.kind} chunk of {count} rows has {len(body)} body bytes")
     rows = np.frombuffer(body, dtype="<i8", count=count)
     raw = np.frombuffer(body, dtype="<i8", offset=8 * count, count=count)
-    return header, IdPiece(header.section, rows, raw, header.kind == "evicted", header.full)
+    return IdPiece(header.section, rows, raw, header.kind == "evicted", header.full)
 
 
 @dataclass
@@ -167,18 +173,26 @@ class _Pending:
     delta: Delta
     parts: int
     seen: set[int] = field(default_factory=set)
+    size: int = 0  # bytes of the chunks held
 
 
 class Assembler:
     """Collects chunks, in any order and with repeats, into whole deltas.
 
     Every chunk of one delta (model id, chain, sequence) must agree on ``parts`` and the delta's
-    identity (step, high water, publication time); one that does not is refused, and its delta
-    never completes (a reader then waits for a base past it, as for a lost delta). At most
-    ``max_pending`` incomplete deltas are held: the one touched longest ago goes first."""
+    identity (step, high water, publication time). A chunk of a later attempt at the delta (a newer
+    ``published_at_ms``) replaces the partial delta it finds: that was an attempt that failed
+    partway. Any other chunk that disagrees is refused and leaves the partial delta as it was, its
+    place in the eviction order too, so refusals never keep a stale delta alive.
 
-    def __init__(self, max_pending: int = 64) -> None:
+    At most ``max_pending`` incomplete deltas, holding at most ``max_bytes`` of chunks, are kept:
+    the one touched longest ago goes first, and a delta that needs more than ``max_bytes`` alone is
+    refused (``too_large``)."""
+
+    def __init__(self, max_pending: int = 64, max_bytes: int = 2**30) -> None:
         self.max_pending = max_pending
+        self.max_bytes = max_bytes
+        self.held = 0  # bytes of chunks held by incomplete deltas
         self._pending: dict[tuple[str, int, int], _Pending] = {}
 
     def add(self, data: bytes) -> Delta | None:
@@ -186,18 +200,24 @@ class Assembler:
         header, piece = decode_chunk(data)
         key = (header.model_id, header.base_version, header.sequence)
         identity = DeltaId(**{name: getattr(header, name) for name in DeltaId.__dataclass_fields__})
-        pending = self._pending.pop(key, None)
+        pending = self._pending.get(key)
+        if pending is not None and (pending.parts != header.parts or pending.delta.id != identity):
+            if identity.published_at_ms <= pending.delta.id.published_at_ms:
+                raise DeltaFormatError(
+                    "parts_disagree",
+                    f"a chunk of delta {header.sequence} of chain {header.base_version} says {header.parts} parts at "
+                    f"step {header.step}; its first chunk said {pending.parts} parts at step {pending.delta.id.step}",
+                )
+            self._drop(key)
+            pending = None
         if pending is None:
             pending = _Pending(Delta(identity), header.parts)
+        self._pending.pop(key, None)
         self._pending[key] = pending  # last touched goes last
-        if pending.parts != header.parts or pending.delta.id != identity:
-            raise DeltaFormatError(
-                "parts_disagree",
-                f"a chunk of delta {header.sequence} of chain {header.base_version} says {header.parts} parts at "
-                f"step {header.step}; its first chunk said {pending.parts} parts at step {pending.delta.id.step}",
-            )
         if header.part not in pending.seen:
             pending.seen.add(header.part)
+            pending.size += len(data)
+            self.held += len(data)
             if isinstance(piece, RowPiece):
                 pending.delta.rows.append(piece)
             elif isinstance(piece, DensePiece):
@@ -205,16 +225,27 @@ class Assembler:
             else:
                 pending.delta.ids.append(piece)
         if len(pending.seen) == pending.parts:
-            del self._pending[key]
+            self._drop(key)
             return pending.delta
-        while len(self._pending) > self.max_pending:
-            del self._pending[next(iter(self._pending))]
+        while len(self._pending) > self.max_pending or self.held > self.max_bytes:
+            oldest = next(iter(self._pending))
+            self._drop(oldest)
+            if oldest == key:
+                raise DeltaFormatError(
+                    "too_large",
+                    f"delta {header.sequence} of chain {header.base_version} needs more than {self.max_bytes} bytes "
+                    f"before it is whole ({header.parts} parts)",
+                )
         return None
+
+    def _drop(self, key: tuple[str, int, int]) -> None:
+        self.held -= self._pending.pop(key).size
 
     def forget_before(self, base_version: int, sequence: int) -> None:
         """Drops incomplete deltas older than (``base_version``, ``sequence``): once that is applied
         (or a base past them is loaded) they can never be."""
-        self._pending = {k: v for k, v in self._pending.items() if (k[1], k[2]) >= (base_version, sequence)}
+        for key in [k for k in self._pending if (k[1], k[2]) < (base_version, sequence)]:
+            self._drop(key)
 
     def __len__(self) -> int:
         return len(self._pending)

@@ -9,13 +9,15 @@ gathers the copies to rank 0 on another gloo group, and rank 0 encodes them
 (``streamtrain.delivery.deltas``) and delivers them to the delta topic or directory. One delta is
 in flight at a time: the next is cut only at a step every rank agrees the last is done.
 
-A delivery that fails is counted and retried with the same chunks (duplicates are harmless: the
-reader assembles each part once), the wait doubling up to ``RETRY_MAX_SECONDS``, while training
-goes on. Meanwhile no new delta is cut, and the touched ids keep accumulating, compacted, so the
-backlog is at most one id per table row plus the one delta in flight; once the target takes the
-retried delta, the next carries every row touched meanwhile. A delta still undelivered at a
-graceful stop is given up after a bounded wait and counted: its sequence number is then missing,
-which the server handles by reloading the newest base (the worker publishes one at the stop).
+A delivery that fails is counted and retried with the same chunks, the wait doubling up to
+``RETRY_MAX_SECONDS``, while training goes on. Duplicates are harmless: the reader assembles each
+part once, and the delta is stamped with its publication time once, at the cut, so the chunks a
+failed attempt left on the topic belong to the same delta as the retry's. Meanwhile no new delta
+is cut, and the touched ids keep accumulating, compacted, so the backlog is at most one id per
+table row plus the one delta in flight; once the target takes the retried delta, the next
+carries every row touched meanwhile. A delta still undelivered at a graceful stop is given up
+after a bounded wait and counted: its sequence number is then missing, which the server handles
+by reloading the newest base (the worker publishes one at the stop).
 
 Bases come from ``streamtrain export``, run by rank 0 as a background process, never on the
 training thread: one at start (``--new-chain``: every start begins a chain), one every
@@ -35,7 +37,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import fsspec
@@ -50,9 +52,11 @@ from streamtrain.checkpoint import DeliveryPosition, StreamState
 from streamtrain.config import DeliveryConfig, KafkaConfig, WorkerConfig
 from streamtrain.delivery.deltas import Delta, DeltaId, DensePiece, IdPiece, RowPiece, encode
 from streamtrain.delivery.spec import MANIFEST, delta_name, parse_base, parse_delta, parse_manifest, part_name
+from streamtrain.launch import child_environment
 from streamtrain.lockstep import Question
 from streamtrain.models.base import TABLE_ATTRIBUTES
 from streamtrain.source import KAFKA_LOG
+from streamtrain.topics import NO_AUTO_CREATE, OutputTopic, ensure_topics
 
 if TYPE_CHECKING:
     from streamtrain.idspace import IdSpace
@@ -190,39 +194,41 @@ class DeltaTarget(Protocol):
     def close(self) -> None: ...
 
 
+def delta_topic(delivery: DeliveryConfig, kafka: KafkaConfig) -> OutputTopic:
+    """The delta topic, as the worker creates it: one partition, so deltas stay in order, keeping
+    what reaches back to the oldest kept base (older deltas serve nobody), with segments rolled often
+    enough for the broker to delete the rest."""
+    retention_ms = int(delivery.delta_retention_seconds() * 1000)
+    return OutputTopic(
+        delivery.resolved_topic(kafka.topic),
+        "delta",
+        "delivery.topic",
+        1,
+        delivery.topic_replication_factor,
+        {"retention.ms": str(retention_ms), "segment.ms": str(min(retention_ms, 3_600_000))},
+    )
+
+
 class TopicTarget:
     """Chunks to a Kafka topic with an idempotent producer and acks=all, each chunk below the
-    topic's ``max.message.bytes``. The topic is created with one partition when missing; nothing
-    connects before the first delta, so an unreachable broker never holds up the worker's start."""
+    topic's ``max.message.bytes``. The worker makes sure of the topic at start
+    (``streamtrain.topics``), and once more when the producer connects, at the first delta."""
 
-    def __init__(self, kafka: KafkaConfig, topic: str, key: str, timeout_seconds: float, retention_seconds: float):
+    def __init__(self, kafka: KafkaConfig, topic: OutputTopic, key: str, timeout_seconds: float):
         self.kafka = kafka
-        self.topic = topic
+        self.output_topic = topic
+        self.topic = topic.name
         self.key = key.encode()
         self.timeout = timeout_seconds
-        self.retention_ms = int(retention_seconds * 1000)
         self.producer: Any = None
         self.max_bytes = 0
 
     def _connect(self) -> None:
         from confluent_kafka import Producer
-        from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+        from confluent_kafka.admin import AdminClient, ConfigResource
 
-        admin = AdminClient({**self.kafka.librdkafka(), "logger": KAFKA_LOG})
-        known = admin.list_topics(self.topic, timeout=self.timeout).topics.get(self.topic)
-        if known is None or known.error is not None:
-            # Deltas older than the oldest kept base serve nobody: the topic keeps what reaches
-            # back to it, and rolls segments often enough for the broker to delete the rest.
-            settings = {"retention.ms": str(self.retention_ms), "segment.ms": str(min(self.retention_ms, 3_600_000))}
-            created = admin.create_topics(
-                [NewTopic(self.topic, num_partitions=1, replication_factor=-1, config=settings)]
-            )[self.topic]
-            try:
-                created.result(timeout=self.timeout)
-                log.info("created the delta topic %s: one partition, retention %d ms", self.topic, self.retention_ms)
-            except Exception as error:
-                if "TOPIC_ALREADY_EXISTS" not in str(error):
-                    raise
+        ensure_topics(self.kafka, [self.output_topic], self.timeout)
+        admin = AdminClient({**self.kafka.librdkafka(), "logger": KAFKA_LOG, **NO_AUTO_CREATE})
         resource = ConfigResource(ConfigResource.Type.TOPIC, self.topic)
         configs = admin.describe_configs([resource])[resource].result(timeout=self.timeout)
         self.max_bytes = int(configs["max.message.bytes"].value)
@@ -230,6 +236,7 @@ class TopicTarget:
             {
                 **self.kafka.librdkafka(),
                 "logger": KAFKA_LOG,
+                **NO_AUTO_CREATE,
                 "enable.idempotence": True,
                 "acks": "all",
                 "message.timeout.ms": int(self.timeout * 1000),
@@ -246,7 +253,7 @@ class TopicTarget:
                 self._connect()
         except Exception as error:
             raise DeliveryFailed(f"the delta topic {self.topic} is unreachable: {error}") from None
-        chunks = encode(replace(delta, id=replace(delta.id, published_at_ms=int(time.time() * 1000))), self.max_bytes)
+        chunks = encode(delta, self.max_bytes)
         errors: list[str] = []
 
         def delivered(error: Any, _message: Any) -> None:
@@ -292,12 +299,10 @@ class DirectoryTarget:
         self.pruned_at = -float("inf")
 
     def send(self, delta: Delta) -> int:
-        chunks = encode(
-            replace(delta, id=replace(delta.id, published_at_ms=int(time.time() * 1000))), DIRECTORY_CHUNK_BYTES
-        )
+        chunks = encode(delta, DIRECTORY_CHUNK_BYTES)
         folder = f"{self.root}/{delta_name(delta.id.base_version, delta.id.sequence)}"
         try:
-            self.fs.makedirs(folder, exist_ok=True)
+            durable.make_folder(self.fs, folder)
             for part, chunk in enumerate(chunks):
                 self.fs.pipe_file(f"{folder}/{part_name(part)}", chunk)
             durable.sync_folder(self.fs, folder)
@@ -439,7 +444,9 @@ class BaseExports:
         output = tempfile.TemporaryFile()  # noqa: SIM115 - the watcher reads and closes it
         self.pinned.add(step)
         try:
-            process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            process = subprocess.Popen(
+                command, stdout=output, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_environment()
+            )  # it dies with this rank
         except OSError as error:
             output.close()
             self.pinned.discard(step)
@@ -567,10 +574,9 @@ class Publisher:
                 if delivery.directory
                 else TopicTarget(
                     config.kafka,
-                    delivery.resolved_topic(config.kafka.topic),
+                    delta_topic(delivery, config.kafka),
                     self.model_id,
                     delivery.delivery_timeout_seconds,
-                    delivery.delta_retention_seconds(),
                 )
             )
         self.cuts: queue.Queue[_Cut | None] = queue.Queue(maxsize=1)
@@ -654,7 +660,10 @@ class Publisher:
         if self.id_space is not None:
             mapped = id_pieces(self.id_space, ids, self.id_space_step)
             self.id_space_step = self.id_space.step
-        delta_id = DeltaId(self.model_id, position.chain, position.next_sequence, self.stream.step, high_water, 0)
+        published_at_ms = int(time.time() * 1000)  # once: every attempt to deliver it carries the same identity
+        delta_id = DeltaId(
+            self.model_id, position.chain, position.next_sequence, self.stream.step, high_water, published_at_ms
+        )
         self.stream.delivery = DeliveryPosition(position.chain, position.next_sequence + 1)
         self.last_cut_at, self.last_cut_step = self.clock(), self.stream.step
         # A delta cuts the step after the vote that found it due. One held back by the delta in

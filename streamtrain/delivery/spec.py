@@ -4,7 +4,11 @@ exporter, the publisher and the server all read.
 - names: ``base-<version>`` folders and ``delta-<chain>-<sequence>`` folders, one parser each;
 - a delta chunk's header, one typed model per ``kind`` (strict: a wrong type is an error, never
   coerced), and the format version every chunk and manifest carries;
-- a base's ``manifest.json``, one typed model, read in one place (``parse_manifest``).
+- a base's ``manifest.json``, one typed model, read in one place (``parse_manifest``), and the
+  files it names, confined to the base's folder (``base_file``).
+
+Every integer of a header or a manifest is an int64, as the bodies' are: a number past that range
+is refused where it is parsed, so nothing downstream (a metric, numpy) meets one it cannot hold.
 
 ``chunk_header_schema()`` and ``manifest_schema()`` are the JSON Schemas the spec prints; a test
 keeps the two equal.
@@ -29,6 +33,8 @@ PROGRAM = "model.pt2"
 ID_MAPS = "id_maps.npz"
 COMPLETE = "COMPLETE"
 PARTIAL = ".partial"
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 _BASE = re.compile(r"^base-(\d+)(\.partial)?$")
 _DELTA = re.compile(r"^delta-(\d+)-(\d+)$")
@@ -94,7 +100,8 @@ def check_format(found: object, what: str) -> None:
 
 # --- delta chunks ----------------------------------------------------------------------------
 
-_Count = Annotated[int, Field(ge=0)]
+_Count = Annotated[int, Field(ge=0, le=INT64_MAX)]
+_Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class _ChunkHeader(BaseModel):
@@ -105,11 +112,13 @@ class _ChunkHeader(BaseModel):
     base_version: _Count = Field(description="the version of the base this delta's chain started from")
     sequence: _Count = Field(description="the delta's number in its chain, contiguous from the base's delta_sequence")
     step: _Count = Field(description="the training step the delta's state is at")
-    event_time_high_water_ms: int = Field(description="the newest event time the delta's state has trained")
-    published_at_ms: int = Field(description="wall time the delta was encoded, milliseconds since the epoch")
+    event_time_high_water_ms: _Int64 = Field(description="the newest event time the delta's state has trained")
+    published_at_ms: _Int64 = Field(
+        description="wall time the delta was first published, milliseconds since the epoch; its retries carry the same"
+    )
     section: str = Field(min_length=1, description="a table's name, or a dense parameter's state-dict name")
     part: _Count = Field(description="this chunk's number, 0-based over the whole delta")
-    parts: int = Field(ge=1, description="how many chunks the delta has")
+    parts: int = Field(ge=1, le=INT64_MAX, description="how many chunks the delta has")
     count: _Count = Field(description="how many rows (rows, ids, evicted) or elements (dense) the body holds")
 
     @model_validator(mode="after")
@@ -127,7 +136,7 @@ class RowsHeader(_ChunkHeader):
 
 class DenseHeader(_ChunkHeader):
     kind: Literal["dense"]
-    shape: list[_Count] = Field(description="the dense parameter's shape")
+    shape: list[_Count] = Field(max_length=32, description="the dense parameter's shape")
     offset: _Count = Field(description="the first element, in the parameter flattened row-major (C order)")
 
     @model_validator(mode="after")
@@ -150,8 +159,8 @@ def parse_chunk_header(data: bytes) -> ChunkHeader:
     """The header of a chunk, from its JSON bytes; FormatError says what is wrong."""
     try:
         raw = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise FormatError("header_json", f"the chunk's header is not UTF-8 JSON: {error}") from None
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError is a ValueError; nesting too deep
+        raise FormatError("header_json", f"the chunk's header is not UTF-8 JSON: {error!r:.200}") from None
     if not isinstance(raw, dict):
         raise FormatError("header_type", f"the chunk's header is a JSON {type(raw).__name__}, not an object")
     check_format(raw.get("format"), "a delta chunk")
@@ -172,7 +181,7 @@ def chunk_header_schema() -> dict[str, Any]:
 
 
 class IdMap(BaseModel):
-    unknown_row: int = Field(ge=0, description="the row an id without a row reads (the table's last)")
+    unknown_row: _Count = Field(description="the row an id without a row reads (the table's last)")
     file: str = Field(description=f"the .npz file in the base holding <table>.rows and <table>.ids ({ID_MAPS})")
 
 
@@ -192,14 +201,14 @@ class Manifest(BaseModel):
 
     format: Literal[1] = Field(description="the delivery format version")
     model_id: str = Field(description="deltas must carry the same model_id")
-    base_version: int = Field(ge=0, description="this base's own version (its folder's number)")
-    chain: int = Field(ge=0, description="the version of the base the delta chain started from")
-    delta_sequence: int = Field(ge=0, description="the first delta sequence of the chain that applies on top")
-    step: int = Field(ge=0, description="the training step of the snapshot")
+    base_version: _Count = Field(description="this base's own version (its folder's number)")
+    chain: _Count = Field(description="the version of the base the delta chain started from")
+    delta_sequence: _Count = Field(description="the first delta sequence of the chain that applies on top")
+    step: _Count = Field(description="the training step of the snapshot")
     next_offsets: dict[str, int] = Field(description="partition -> the next offset to train")
     trained: dict[str, int] = Field(description="partition -> events trained")
-    event_time_high_water_ms: int = Field(description="the newest event time the snapshot has trained")
-    cut_wall_time_ms: int = Field(description="about when the snapshot's cut was taken: replay deltas from here")
+    event_time_high_water_ms: _Int64 = Field(description="the newest event time the snapshot has trained")
+    cut_wall_time_ms: _Int64 = Field(description="about when the snapshot's cut was taken: replay deltas from here")
     created_at: float = Field(description="when the base was exported, seconds since the epoch")
     source_snapshot: str = Field(description="the snapshot it was exported from")
     world_size: int | None = Field(description="the ranks that wrote the snapshot")
@@ -217,8 +226,8 @@ def parse_manifest(data: bytes | str, where: str) -> Manifest:
     """The manifest from its JSON; FormatError names ``where`` and what is wrong."""
     try:
         raw = json.loads(data)
-    except ValueError as error:
-        raise FormatError("manifest", f"{where} is not JSON: {error}") from None
+    except (ValueError, RecursionError) as error:
+        raise FormatError("manifest", f"{where} is not JSON: {error!r:.200}") from None
     if not isinstance(raw, dict):
         raise FormatError("manifest", f"{where} is a JSON {type(raw).__name__}, not an object")
     check_format(raw.get("format"), where)
@@ -236,13 +245,33 @@ def manifest_schema() -> dict[str, Any]:
     return Manifest.model_json_schema()
 
 
+def base_file(base_dir: Path, name: str, what: str) -> Path:
+    """``base_dir / name`` for a file a manifest names (``what``, for the error): a relative path
+    that stays inside the base, since whoever writes a manifest could otherwise make a server read
+    any file it can."""
+    parts = Path(name).parts
+    if not name or Path(name).is_absolute() or ".." in parts or "\\" in name:
+        raise FormatError("manifest", f"{base_dir / MANIFEST}: {what} {name!r} must be a relative path inside the base")
+    return base_dir / name
+
+
+def current_pointer(version: int, name: str) -> bytes:
+    """``current.json``'s content naming base ``name`` of ``version``, with the format it is in."""
+    return json.dumps({"format": FORMAT_VERSION, "version": version, "path": name}).encode()
+
+
 def read_current(model_dir: Path) -> dict[str, Any] | None:
     """``current.json``'s content (``{"version", "path"}``), or None when no base is published.
-    Its ``path`` must be a base folder's name, so it cannot point outside ``model_dir``."""
+    Its ``path`` must be a base folder's name, so it cannot point outside ``model_dir``. One
+    written without ``format`` (before the field) is format 1."""
     try:
-        raw = json.loads((model_dir / CURRENT).read_text())
+        raw = json.loads((model_dir / CURRENT).read_bytes())
     except FileNotFoundError:
         return None
+    except (ValueError, RecursionError) as error:  # a pointer a writer broke: as if it named no base
+        raise FormatError("current", f"{model_dir / CURRENT} is not JSON: {error!r:.200}") from None
+    if isinstance(raw, dict):
+        check_format(raw.get("format"), str(model_dir / CURRENT))
     name = raw.get("path") if isinstance(raw, dict) else None
     parsed = parse_base(name) if isinstance(name, str) else None
     if parsed is None or parsed.partial:

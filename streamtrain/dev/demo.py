@@ -73,7 +73,7 @@ def run_demo(metrics_port: int = 9100, rate: float | None = None, load_fraction:
         raw["kafka"]["bootstrap_servers"] = broker.bootstrap_servers
         raw["metrics"]["port"] = metrics_port
         # Delivery publishes from snapshots: the demo keeps them beside its broker's data.
-        raw.setdefault("checkpoint", {}).setdefault("path", str(broker.workdir / "snapshots"))
+        raw.setdefault("checkpoint", {})["path"] = str(broker.workdir / "snapshots")
         config = parse_config(raw)
         server = DemoServer(config, lambda: scraped(metrics_port, "streamtrain_global_step"))
         stream.start()

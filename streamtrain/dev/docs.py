@@ -1,19 +1,23 @@
-"""The docs site's configuration reference, generated from the pydantic models in
-``streamtrain/config.py`` so that it cannot drift from the code.
+"""The docs site's generated references, so that they cannot drift from the code: the
+configuration reference from the pydantic models in ``streamtrain/config.py``, and the model
+interface's from ``streamtrain/models/base.py`` (``ModelSpec``'s fields, members and checks).
 
-    python -m streamtrain.dev.docs           # rewrite docs/configuration.md
-    python -m streamtrain.dev.docs --check   # exit 1 if it is stale, or if a field has no description
+    python -m streamtrain.dev.docs           # rewrite docs/configuration.md and docs/model-interface.md
+    python -m streamtrain.dev.docs --check   # exit 1 if either is stale, or if a field has no description
 
-``make docs`` rewrites it and builds the site; the test suite runs the check.
+``make docs`` rewrites them and builds the site; the test suite runs the check.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import inspect
 import json
 import re
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
@@ -24,11 +28,13 @@ from streamtrain import config
 from streamtrain.dev import CHECKOUT
 
 REFERENCE = CHECKOUT / "docs" / "configuration.md"
+MODEL_REFERENCE = CHECKOUT / "docs" / "model-interface.md"
 REGENERATE = "python -m streamtrain.dev.docs"
 
 
 class UndocumentedFields(ValueError):
-    """Config fields without a ``description=``: the reference would show them blank."""
+    """Fields without a description (a config field's ``description=``, a ``ModelSpec`` field's
+    entry in its docstring): the reference would show them blank."""
 
 
 def config_reference(root: type[BaseModel] = config.WorkerConfig) -> str:
@@ -136,6 +142,8 @@ def _type(annotation: Any, path: list[str]) -> str:
 
 
 def _default(field: Any) -> str:
+    if (field.json_schema_extra or {}).get("default_by_device"):  # batching.batch_size, set before validation
+        return "by device: " + ", ".join(f"`{size}` on {device}" for device, size in config.DEFAULT_BATCH_SIZE.items())
     value = field.default
     if value is PydanticUndefined:
         return "required"
@@ -167,23 +175,160 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
 
 
+def model_interface_reference(spec: type | None = None) -> str:
+    """The model interface's reference page: the contract (``streamtrain/models/base.py``'s
+    docstring), ``ModelSpec``'s fields and members, and what the worker checks of a model. Raises
+    UndocumentedFields naming every ``ModelSpec`` field its docstring does not describe."""
+    from streamtrain.models import base
+
+    spec = spec or base.ModelSpec
+    described = _described_fields(spec.__doc__ or "")
+    fields = dataclasses.fields(spec)
+    missing = [f.name for f in fields if f.name not in described]
+    if missing:
+        raise UndocumentedFields(
+            f"{spec.__name__} fields without an entry ('- ``name``: ...') in its docstring "
+            f"(streamtrain/models/base.py): " + ", ".join(missing)
+        )
+    hints = inspect.get_annotations(spec, eval_str=True)
+    lines = [
+        "# The model interface (reference)",
+        "",
+        f"<!-- Generated from streamtrain/models/base.py by `{REGENERATE}`; do not edit. -->",
+        "",
+        "What a factory named in `model.module` receives, what it must return, and what the worker checks. "
+        "This page is generated from `streamtrain/models/base.py`, the interface in code: "
+        f"`{REGENERATE}` (or `make docs`) rewrites it, and the test suite fails when it is stale. "
+        "[Your own model](models.md) walks through an example and answers the common questions.",
+        "",
+        "## The contract",
+        "",
+        _markdown(base.__doc__ or "").split("\n", 2)[2].strip(),
+        "",
+        f"## `{spec.__name__}`",
+        "",
+        f"`{base.__name__}.{spec.__name__}({', '.join(f.name for f in fields)})`, a frozen dataclass, is all a "
+        "factory is given: `Factory = Callable[[ModelSpec], nn.Module]`.",
+        "",
+        _markdown(_without_field_entries(spec.__doc__ or "")),
+        "",
+        "| field | type | what |",
+        "|---|---|---|",
+    ]
+    lines += [f"| `{f.name}` | {_type_cell(hints[f.name])} | {_cell(_markdown(described[f.name]))} |" for f in fields]
+    lines += ["", "| member | what |", "|---|---|"]
+    for name, member in inspect.getmembers(spec):
+        if name.startswith("_") or not (isinstance(member, property) or inspect.isfunction(member)):
+            continue
+        if isinstance(member, property):
+            signature = f"`spec.{name}`"
+            doc = member.fget.__doc__ if member.fget else None
+        else:
+            parameters = list(inspect.signature(member).parameters.values())[1:]
+            signature = f"`spec.{name}({', '.join(str(p).split(':')[0] + _default_of(p) for p in parameters)})`"
+            doc = member.__doc__
+        lines.append(f"| {signature} | {_cell(_markdown(doc or ''))} |")
+    lines += [
+        "",
+        "## What the worker checks",
+        "",
+        "Every build of the model (`streamtrain plan`, each rank's start, each export) imports the factory and "
+        "builds the module; a failure exits 2 (`ModelInterfaceError`, a `ConfigError`) with the reason. A "
+        "user's model is also run and exported once at the worker's start-up.",
+        "",
+    ]
+    for check in (base.check_tables, base.check_logits, _check_exportable()):
+        lines.append(f"- `{check.__name__}`: {_cell(_markdown(check.__doc__ or ''))}")
+    return "\n".join(lines) + "\n"
+
+
+def _described_fields(doc: str) -> dict[str, str]:
+    """A docstring's ``- ``name``: text`` entries, each with its continuation lines."""
+    entries: dict[str, str] = {}
+    current = None
+    for line in inspect.cleandoc(doc).splitlines():
+        match = re.match(r"^- ``(\w+)``: (.*)$", line)
+        if match:
+            current = match.group(1)
+            entries[current] = match.group(2)
+        elif current and line.startswith("  "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return entries
+
+
+def _without_field_entries(doc: str) -> str:
+    return "\n".join(
+        line for line in inspect.cleandoc(doc).split("\n\n")[0].splitlines() if not line.startswith(("- ``", "  "))
+    )
+
+
+def _markdown(doc: str) -> str:
+    """A docstring as markdown: ``literal`` as `literal`, and a ``::`` block as a fenced one."""
+    text = inspect.cleandoc(doc).replace("``", "`")
+    return re.sub(
+        r"::\n\n((?:    .*\n?)+)",
+        lambda m: ":\n\n```python\n" + inspect.cleandoc(m.group(1)) + "\n```\n",
+        text,
+    )
+
+
+def _type_cell(annotation: Any) -> str:
+    """A field's type, a config section linked to its part of the configuration reference."""
+    sections = {model: _slug(_title(path)) for path, model in _sections(config.WorkerConfig, []) if path}
+    inner = get_args(annotation)[0] if get_origin(annotation) is list else annotation
+    if inner in sections:
+        link = f"[`{inner.__name__}`](configuration.md#{sections[inner]})"
+        return f"list of {link}" if inner is not annotation else link
+    return f"`{_type_name(annotation)}`"
+
+
+def _type_name(annotation: Any) -> str:
+    """A field's type as a reader writes it: our classes by name, torch's with their module."""
+    if isinstance(annotation, type):
+        module = annotation.__module__.split(".")[0]
+        return annotation.__qualname__ if module in ("streamtrain", "builtins") else f"{module}.{annotation.__name__}"
+    return re.sub(r"\bstreamtrain\.(?:\w+\.)*", "", str(annotation))
+
+
+def _default_of(parameter: inspect.Parameter) -> str:
+    return "" if parameter.default is inspect.Parameter.empty else f"={parameter.default!r}"
+
+
+def _check_exportable() -> Callable[..., None]:
+    from streamtrain.delivery.artifact import check_exportable
+
+    return check_exportable
+
+
+# Each generated page, the function that makes it.
+GENERATED: dict[Path, Callable[[], str]] = {
+    REFERENCE: lambda: config_reference(),
+    MODEL_REFERENCE: lambda: model_interface_reference(),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=REGENERATE, description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 when stale")
     args = parser.parse_args(argv)
-    try:
-        text = config_reference()
-    except UndocumentedFields as error:
-        print(error, file=sys.stderr)
-        return 1
-    if args.check:
-        if not REFERENCE.exists() or REFERENCE.read_text() != text:
-            print(f"{REFERENCE} is stale: run `{REGENERATE}` and commit it", file=sys.stderr)
+    stale = []
+    for page, make in GENERATED.items():
+        try:
+            text = make()
+        except UndocumentedFields as error:
+            print(error, file=sys.stderr)
             return 1
-        return 0
-    REFERENCE.write_text(text)
-    print(f"written: {REFERENCE}")
-    return 0
+        if args.check:
+            if not page.exists() or page.read_text() != text:
+                stale.append(page)
+            continue
+        page.write_text(text)
+        print(f"written: {page}")
+    for page in stale:
+        print(f"{page} is stale: run `{REGENERATE}` and commit it", file=sys.stderr)
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

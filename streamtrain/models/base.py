@@ -4,16 +4,20 @@ A model is an ``nn.Module`` made by a factory from a ``ModelSpec``::
 
     forward(dense: Tensor [B, spec.dense_in_features] float32, sparse: KeyedJaggedTensor) -> Tensor [B, tasks]
 
-- ``dense`` is the decoder's dense features, then one column per target match (the count of the
-  history's ids equal to the candidate's, streamtrain/target_match.py); ``sparse`` holds one key
-  per entry of ``features.tables``, in that order; the output is a logit per task, in
-  ``spec.tasks``' order (no sigmoid: the loss and the server add it).
+- ``dense`` is the decoder's dense features (transformed), then one column per target match (the
+  count of the history's ids equal to the candidate's, streamtrain/target_match.py); ``sparse``
+  holds one key per entry of ``features.tables``, in that order, its values int64 row ids (the id
+  mapping applied); the output is a logit per task, in ``spec.tasks``' order (no sigmoid: the loss
+  and the server add it).
 - Its tables are TorchRec ``EmbeddingBagCollection``s (pooled) or ``EmbeddingCollection``s (an
-  embedding per id, for a sequence feature) built on
-  ``spec.table_device`` from ``spec.tables()`` (the meta device while the planner shards them;
-  fbgemm's fused optimizer then updates them in the backward). Every parameter outside them is
-  dense: replicated, updated by Adam, and published whole in each delta. ``table_weights`` finds
-  the tables, so export and deltas need nothing more from the module.
+  embedding per id, for a sequence feature) built on ``spec.table_device`` from ``spec.tables()``
+  (the meta device while the planner shards them; fbgemm's fused optimizer then updates them in the
+  backward), each table in one collection; several collections may read the same ``sparse``, each
+  its own keys. A collection's output is read by key (``KeyedTensor.regroup``, ``kt[name]``): a
+  sharded one orders it by shard. Dims may differ from table to table; fbgemm's fused kernel needs
+  each to be a multiple of 4. Every parameter outside the collections is dense: replicated, updated
+  by Adam, and published whole in each delta. ``table_weights`` finds the tables, so export and
+  deltas need nothing more from the module.
 - Its forward must ``torch.export`` with a dynamic batch (the served base is that program), and
   ``torch.fx``-trace as far as its collections' inputs (TorchRec's train pipeline finds them so).
   It must also take an empty batch: a rank with no events trains one (sum, never average, over
@@ -38,7 +42,20 @@ _POOLING = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
 @dataclass(frozen=True)
 class ModelSpec:
     """What a factory builds from: the validated features, model settings and tasks, and where
-    to put the dense layers and the tables."""
+    to put the dense layers and the tables. A factory may be called several times (to plan, to
+    train, by the start-up check with tables of a few rows, by each export): it must build the same
+    module from the same spec, its sizes read from the spec, never written in.
+
+    - ``features``: the ``features`` section: ``tables`` in the order ``sparse`` keys them (each
+      with ``name``, ``embedding_dim``, ``num_embeddings``, ``pooling``, ``shares_table_with``),
+      and ``dense`` in the order of ``dense``'s first columns.
+    - ``model``: the ``model`` section; ``options`` holds ``model.options``, the factory's own
+      settings, and ``target_matches`` the pairs whose counts follow the dense features.
+    - ``tasks``: the tasks, one logit column each, in this order.
+    - ``dense_device``: where the dense layers go; layers built without a device land there too.
+    - ``table_device``: where the collections go: the meta device while the planner shards them,
+      the CPU for an export.
+    """
 
     features: FeaturesConfig
     model: ModelConfig
@@ -48,6 +65,7 @@ class ModelSpec:
 
     @property
     def dense_in_features(self) -> int:
+        """The width of ``dense``: the dense features, then one match count per target match."""
         return len(self.features.dense) + len(self.model.target_matches)
 
     def tables(self, exclude: Collection[str] = ()) -> list[EmbeddingBagConfig]:

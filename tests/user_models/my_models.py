@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torchrec import KeyedJaggedTensor
+from torchrec import KeyedJaggedTensor, KeyedTensor
 from torchrec.modules.mlp import MLP
 
 from streamtrain.models.base import ModelSpec
@@ -24,9 +24,9 @@ class WideConcat(nn.Module):
         self.logits = nn.Linear(hidden, len(spec.tasks), device=spec.dense_device)
 
     def forward(self, dense: torch.Tensor, sparse: KeyedJaggedTensor) -> torch.Tensor:
-        # By name: a sharded collection orders its output by shard, not by the config.
-        pooled = self.tables(sparse).to_dict()
-        return self.logits(self.mlp(torch.cat([dense, *(pooled[n] for n in self.names)], dim=1)))
+        # By key, in the config's order: a sharded collection orders its output by shard.
+        (pooled,) = KeyedTensor.regroup([self.tables(sparse)], [self.names])
+        return self.logits(self.mlp(torch.cat([dense, pooled], dim=1)))
 
 
 def build(spec: ModelSpec) -> nn.Module:
