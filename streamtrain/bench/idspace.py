@@ -498,10 +498,11 @@ def _stream_table(result: dict) -> str:
         f"  managed - hash {goals['managed_minus_hash']:+.4f}, goal >= {goals['win_back']} x (reference - hash) "
         f"= {goals['win_back'] * goals['reference_minus_hash']:+.4f}: {met}"
     )
-    by_round = result["throughput_ratio_by_round"]
+    # results written before the rounds were kept give one ratio over the whole run
+    by_round = result.get("throughput_ratio_by_round")
+    rounds = f" (median of {len(by_round)} rounds, {min(by_round):.3f}-{max(by_round):.3f})" if by_round else ""
     lines.append(
-        f"  throughput managed / hash {result['throughput_ratio']:.3f} (median of {len(by_round)} rounds, "
-        f"{min(by_round):.3f}-{max(by_round):.3f}), goal >= {goals['throughput_ratio']}: "
+        f"  throughput managed / hash {result['throughput_ratio']:.3f}{rounds}, goal >= {goals['throughput_ratio']}: "
         f"{'met' if goals['throughput_met'] else 'missed'}"
     )
     if "throughput_ratio_2_ranks" in result:

@@ -225,11 +225,26 @@ def scale_leg(features: object, ids_per_step: int, steps: int, seed: int, progre
 
 def lines(scale: dict) -> list[str]:
     goals = scale["goals"]
-    projected, here = scale["projected_step_seconds_8x32k"], scale["projected_step_seconds_8x32k_as_measured_here"]
-    return [
+    memory = (
         f"  scale: map memory per rank / (total / world) {scale['memory_per_rank_ratio']:.3f} (goal <= "
         f"{goals['memory_per_rank_ratio']}), ids per rank / (global / world) {scale['ids_per_rank_ratio']:.3f} "
-        f"(goal <= {goals['ids_per_rank_ratio']})",
+        f"(goal <= {goals['ids_per_rank_ratio']})"
+    )
+    threaded = (
+        f"  scale: 1 rank on {scale['threaded']['threads']} threads maps a step {scale['threaded']['speedup']:.2f}x as "
+        "fast as on one"
+    )
+    if "ns_per_id_one_thread" not in scale:  # results written before the projection had its two terms
+        return [
+            memory,
+            f"  scale: {scale['seconds_per_id'] * 1e9:.0f} ns an id; projected map time a step at 8 (and 64) ranks "
+            f"x 32k events: {scale['projected_step_seconds_8x32k'] * 1e3:.3f} ms (goal <= "
+            f"{goals['projected_step_seconds_8x32k'] * 1e3:.0f} ms)",
+            threaded,
+        ]
+    projected, here = scale["projected_step_seconds_8x32k"], scale["projected_step_seconds_8x32k_as_measured_here"]
+    return [
+        memory,
         f"  scale: map compute {scale['ns_per_id_one_thread']:.1f} ns an id on one thread (goal <= "
         f"{goals['ns_per_id_one_thread']:.0f}: {'met' if goals['ns_per_id_met'] else 'missed'}), "
         f"{scale['ns_per_id_threaded']:.1f} on {scale['threaded']['threads']}",
@@ -238,6 +253,5 @@ def lines(scale: dict) -> list[str]:
         f"{scale['projected_exchange_seconds'] * 1e3:.4f} (goal <= {goals['projected_step_seconds_8x32k'] * 1e3:.0f} "
         f"ms: {'met' if goals['step_seconds_met'] else 'missed'}); as this host maps a step, gloo's exchange "
         f"included, {scale['seconds_per_id'] * 1e9:.0f} ns an id: {here * 1e3:.2f} ms",
-        f"  scale: 1 rank on {scale['threaded']['threads']} threads maps a step {scale['threaded']['speedup']:.2f}x as "
-        "fast as on one",
+        threaded,
     ]
