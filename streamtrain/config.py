@@ -915,7 +915,16 @@ class BatchingConfig(_Strict):
         ),
     )
 
-    @field_validator("decode_threads", mode="before")
+    map_ahead: bool | None = Field(
+        default=None,
+        description=(
+            "Whether managed tables' ids (docs/features.md) are mapped one batch ahead, on a thread of their own "
+            "while the step before trains; unset: on when the rank trains on cuda, whose step leaves the host "
+            "idle, off on the CPU, whose step has the cores."
+        ),
+    )
+
+    @field_validator("decode_threads", "map_ahead", mode="before")
     @classmethod
     def _empty_is_none(cls, value: Any) -> Any:
         return None if value == "" else value  # STREAMTRAIN_BATCHING__DECODE_THREADS= means unset

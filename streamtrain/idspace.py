@@ -40,10 +40,33 @@ How it stays right:
     before the forward pass of the batch that first uses it, not when the batch is mapped: the
     batches already in the pipeline may still train the row's old id.
   - **Exactly-once.** The pipeline maps batches ahead of training, so the map is up to two steps
-    ahead of the weights. Each step records what it overwrote (its ``Undo``: the rows it wrote
-    and their old values, the low bits a halving dropped), held while its batch is in flight;
-    the map at the cut, which snapshots and deltas read, is a copy of the arrays with those
-    steps undone, made only when they ask. A restore maps the re-read batches again from it.
+    ahead of the weights (three when mapped ahead, below). Each step records what it overwrote
+    (its ``Undo``: the rows it wrote and their old values, the low bits a halving dropped), held
+    while its batch is in flight; the map at the cut, which snapshots and deltas read, is a copy of
+    the arrays with those steps undone, made only when they ask. A restore maps the re-read
+    batches again from it.
+  - **Mapped one batch ahead** (``IdSpace.ahead``, ``batching.map_ahead``; on by default with
+    cuda). Batch N+1 is mapped on a thread of the id space's own while batch N trains, so the map's
+    work and its exchange's waits leave the training thread. Nothing above changes, for the map is
+    a function of the global steps alone, whenever it runs:
+      - a row evicted for N+1 may be one that N reads: N trains it as its old id's row, and the
+        reset comes before N+1's forward pass, so the new id starts fresh and the old id's last
+        update goes with the old id (it was evicted); the cut after N (N+1 undone) holds the old
+        id there, with N's update in the weights. This is what the pipeline's own lookahead
+        already does, one batch deeper;
+      - the cut: a lock covers each step's update of the map together with its place in flight,
+        and the cut's readers (``state_dict``, ``raw_ids``, ``evicted_since``, ``step``), and is
+        never held across a collective. The cut (the map less the steps in flight) changes only
+        when a batch has trained, on the training thread, so the snapshot's cut and the delta's,
+        both read on that thread between two steps, are one map;
+      - the exchange: the id space's collectives run on its own gloo group, apart from the training
+        step's, and on one thread at a time (the mapper's while it lives: the gather of the last
+        step's fresh rows is handed to it), so every rank makes them in one order. No rank waits
+        on a map its peers have not started: a rank hands batch N to its mapper when it takes
+        batch N-1 for the pipeline, and waits for N's map one pipeline step later, past that
+        step's collectives, which its peers reach only after they took N-1 too;
+      - a paused stream needs one more empty step to train its last real batch
+        (``Trainer.lookahead``, which the lockstep counts).
 
 Memory: each rank's buckets' share of the map, made at full size. Per row, the raw id (int64) and whether it is in
 use (bool), plus only what the policy reads: the step last seen (uint32, as an age modulo 2^32) for
@@ -51,21 +74,25 @@ lru and ttl, the event time last seen (int64) for ttl in seconds, a saturating i
 and an open-addressing index (``streamtrain.idindex``: an int16 or int32 slot per 0.7 rows, the key
 read from the ids) in place of a Python dict. lru: 8 + 1 + 4 + 2.9 = 15.9 bytes per row below 2^15
 rows, 18.7 beyond. ``min_count`` adds a uint16 sketch of two hash rows at least twice the rows wide
-(8 to 16 bytes per row, at least 1,024 cells a bucket). Per step, the step's distinct ids are found
-by hashing, in one numba pass, not by sorting: the map's result depends on no arrival order, since
-new ids take rows in the order of their ids. The lookup is one numba loop over the distinct ids, the
-waiting ids' sightings one more that counts them and reads their estimates, one more gives the
-admitted ids rows (each bucket's free rows, then, only in a full bucket, a partition of its rows by
-eviction key), and one writes each id's row and flags; the arrays' updates are vectorised numpy.
+(8 to 16 bytes per row, at least 1,024 cells a bucket). A recency bucket keeps its next victims in
+order (about half a byte per row; ``idstep.give_rows``). Per step, a table's map is one compiled
+pass (``streamtrain.idstep.map_step``): the distinct ids by hashing (not sorting: the map's result
+depends on no arrival order, since new ids take rows in the order of their ids), their lookups,
+the waiting ids' sightings and estimates, the rows given (each bucket's free rows, then, only in a
+full bucket, a partition of its rows by eviction key), the arrays' writes with their undo, and
+each id's row and flags. A large step's lookups and sketch counts go to the rank's threads.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import math
+import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -76,68 +103,44 @@ from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from streamtrain.config import EvictionConfig, FeaturesConfig, TableConfig
-from streamtrain.decode import ClickBatch, splitmix64
-from streamtrain.idindex import IdIndex, distinct, mix, salted_homes
+from streamtrain.decode import ClickBatch
+from streamtrain.idindex import IdIndex, distinct, salted_homes
+from streamtrain.idstep import (
+    ADMIT_ALL,
+    ADMIT_MIN_COUNT,
+    ADMIT_PROBABILITY,
+    BUCKET_SALT,
+    COUNT_MAX,
+    SKETCH_MAX,
+    SKETCH_SALTS,
+    VICTIMS_KEPT,
+    MapArrays,
+    MapRules,
+    StepOutcome,
+    admit_and_write,
+    count_sightings,
+    distinct_hashed,
+    look_up,
+    map_step,
+    split_hits,
+)
 from streamtrain.metrics import IdSpaceMetrics
-from streamtrain.threads import IDMAP, Slices
+from streamtrain.threads import IDAHEAD, IDMAP, Slices, name_this_thread
 
-_INT64_MAX = np.iinfo(np.int64).max
-# Two hash rows for the count sketch of ids waiting for admission, with salts that make them
-# independent; its width is at least twice the table's rows, so waiting ids rarely share a count.
-_SKETCH_SALTS = (np.uint64(0x243F6A8885A308D3), np.uint64(0x13198A2E03707344))
-_SKETCH_SALTS_ARRAY = np.array(_SKETCH_SALTS, dtype=np.uint64)
+log = logging.getLogger(__name__)
+
 _SKETCH_MIN_WIDTH = 1024
-# Sketch cells saturate here (uint16): min_count is at most this (config), and the halving every
-# interval keeps counts of live traffic far below it.
-_SKETCH_MAX = np.iinfo(np.uint16).max
-# lfu counts saturate here (int32): past it an id is popular enough never to be the victim.
-_COUNT_MAX = 1 << 30
 # Steps are kept modulo 2^32 (uint32) and compared as ages, step - last_step modulo 2^32, which are
 # exact while an id's age stays under 2^32 steps (about 50 days at 1,000 steps a second); an older
 # id still in a table that never needed its row may then look young. Snapshots hold absolute steps.
 _STEP_MASK = (1 << 32) - 1
-_MAX_AGE = np.int64(_STEP_MASK)
 # Evictions kept for readers of "what was evicted since step X" (deltas); older ones are dropped,
 # and a reader asking from before them is told to take everything instead.
 _EVICTION_LOG_STEPS = 10_000
-# Salts the hash that picks an id's bucket, so that it is independent of the index's.
-_BUCKET_SALT = np.uint64(0xA4093822299F31D0)
 # The fewest ids a helper thread takes: below it, handing a slice over costs about what it saves.
 MIN_SLICE_IDS = 8_192
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _count_sightings(
-    sketch: np.ndarray, ids: np.ndarray, local_buckets: np.ndarray, counts: np.ndarray, totals: np.ndarray, width: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Add each id's ``counts`` to its cell in each hash row of ``sketch``, saturating, and what
-    each bucket gained to ``totals``. An id's cell in a hash row is its salted splitmix64 hash, in
-    its bucket's ``width`` cells (a power of two, so a mask, not a division, places it).
-    Returns each id's estimate, the least of its cells once every sighting is in (ids sharing a cell
-    add up; a saturated cell still reads at least any min_count), and each write's flat cell and old
-    value, in the order written (a cell two ids share appears twice)."""
-    flat = sketch.reshape(-1)
-    hash_rows, n = sketch.shape[0], ids.shape[0]
-    row_cells = sketch.shape[1]
-    mask = np.uint64(width - 1)
-    written = np.empty(hash_rows * n, dtype=np.int64)
-    old = np.empty(hash_rows * n, dtype=sketch.dtype)
-    for row in range(hash_rows):
-        salt = _SKETCH_SALTS_ARRAY[row]
-        for i in range(n):
-            at = row * n + i
-            bucket = local_buckets[i]
-            cell = row * row_cells + bucket * width + np.int64(mix(np.uint64(ids[i]) ^ salt) & mask)
-            before = flat[cell]
-            written[at], old[at] = cell, before
-            after = min(np.int64(before) + counts[i], _SKETCH_MAX)
-            flat[cell] = after
-            totals[bucket] += after - np.int64(before)
-    estimate = np.full(n, _INT64_MAX, dtype=np.int64)
-    for row in range(hash_rows):
-        for i in range(n):
-            estimate[i] = min(estimate[i], np.int64(flat[written[row * n + i]]))
-    return estimate, written, old
+# Batches ``IdSpace.ahead`` takes ahead of those it hands on: one is mapped while the trainer trains.
+MAPPED_AHEAD = 1
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -145,101 +148,6 @@ def _put_newest_first(array: np.ndarray, positions: np.ndarray, old: np.ndarray)
     """Write ``old`` back at ``positions``, last first: a position written twice ends as it began."""
     for i in range(positions.shape[0] - 1, -1, -1):
         array[positions[i]] = old[i]
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _give_rows(
-    local_buckets: np.ndarray,
-    starts: np.ndarray,
-    in_use: np.ndarray,
-    seen: np.ndarray,
-    counts: np.ndarray,
-    last_step: np.ndarray,
-    by_count: bool,
-    step: np.uint32,
-) -> tuple[np.ndarray, np.ndarray]:
-    """A row for each admitted id in ``local_buckets`` (in the ids' order), or -1 where its bucket
-    has none left, and the victims evicted for them. A bucket gives its lowest free rows first,
-    then victims among its rows in use and not ``seen`` this step, lowest eviction key first: an
-    lfu row's count (``by_count``) or an lru/ttl row's recency (``step`` - ``last_step``, modulo
-    2^32, oldest first), the row breaking ties, so every rank picks the same. A bucket's scan for
-    free rows stops once it has enough, and only a bucket short of them ranks its rows."""
-    buckets, capacity = starts.shape[0] - 1, max(in_use.shape[0], 1)
-    wanted = np.zeros(buckets, dtype=np.int64)
-    for bucket in local_buckets:
-        wanted[bucket] += 1
-    # each bucket's rows to give, free then victims, from its first admitted id's place on
-    firsts = np.zeros(buckets + 1, dtype=np.int64)
-    for bucket in range(buckets):
-        firsts[bucket + 1] = firsts[bucket] + wanted[bucket]
-    available = np.full(local_buckets.shape[0], -1, dtype=np.int64)
-    victims = np.empty(local_buckets.shape[0], dtype=np.int64)
-    evicted = 0
-    seen = np.sort(seen)  # a bucket's seen rows are then one run, read alongside its rows
-    for bucket in range(buckets):
-        want = wanted[bucket]
-        if want == 0:
-            continue
-        at = firsts[bucket]
-        for row in range(starts[bucket], starts[bucket + 1]):
-            if not in_use[row]:
-                available[at] = row
-                at += 1
-                if at == firsts[bucket + 1]:
-                    break
-        short = firsts[bucket + 1] - at
-        if short == 0:
-            continue
-        keys = np.empty(starts[bucket + 1] - starts[bucket], dtype=np.int64)
-        candidates = 0
-        next_seen = np.searchsorted(seen, starts[bucket])
-        for row in range(starts[bucket], starts[bucket + 1]):
-            if next_seen < seen.shape[0] and seen[next_seen] == row:
-                next_seen += 1
-            elif in_use[row]:
-                rank = np.int64(counts[row]) if by_count else _MAX_AGE - np.int64(np.uint32(step - last_step[row]))
-                keys[candidates] = rank * capacity + row
-                candidates += 1
-        take = min(short, candidates)
-        if take == 0:
-            continue
-        lowest = (
-            np.sort(np.partition(keys[:candidates], take - 1)[:take])
-            if take < candidates
-            else np.sort(keys[:candidates])
-        )
-        for key in lowest:
-            available[at] = victims[evicted] = key % capacity
-            at += 1
-            evicted += 1
-    # each admitted id takes the next of its bucket's rows, in the ids' order
-    given = np.empty(local_buckets.shape[0], dtype=np.int64)
-    for i in range(local_buckets.shape[0]):
-        bucket = local_buckets[i]
-        given[i] = available[firsts[bucket]]
-        firsts[bucket] += 1
-    return given, victims[:evicted]
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _per_id(
-    rows: np.ndarray, admitted: np.ndarray, assigned: np.ndarray, start: int, unknown_row: int, inverse: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each of the step's ids' table row, and whether it is unknown or fresh, in the ids' order
-    (``inverse``, the positions of their distinct ids). A distinct id has its index row (``rows``,
-    -1 for none), or the row ``assigned`` to it (the ``admitted``), or none: then the unknown row."""
-    fresh = np.zeros(rows.shape[0], dtype=np.bool_)
-    for k in range(admitted.shape[0]):
-        rows[admitted[k]] = assigned[k]
-        fresh[admitted[k]] = True
-    n = inverse.shape[0]
-    table_rows, unknown, fresh_ids = np.empty(n, np.int64), np.empty(n, np.bool_), np.empty(n, np.bool_)
-    for i in range(n):
-        row = rows[inverse[i]]
-        unknown[i] = row < 0
-        table_rows[i] = unknown_row if row < 0 else row + start
-        fresh_ids[i] = fresh[inverse[i]]
-    return table_rows, unknown, fresh_ids
 
 
 def managed_tables(features: FeaturesConfig) -> list[TableConfig]:
@@ -255,7 +163,7 @@ class Evictions:
 
     @staticmethod
     def none() -> Evictions:
-        return Evictions(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+        return _NO_EVICTIONS
 
     def __len__(self) -> int:
         return int(self.rows.numel())
@@ -312,34 +220,27 @@ def _columns(arrays: TableArrays, name: str, columns: slice) -> np.ndarray:
 
 @dataclass(frozen=True)
 class TableStep:
-    """What one step does to one table: decided once (``TableIds.decide``), then applied
-    (``TableIds.apply``); ``undo`` records how to take it back."""
+    """What one step did to one table (``TableIds.update``); ``undo`` records how to take it back."""
 
     step: int
-    now_ms: int  # the step's newest event time
     rows: torch.Tensor  # the row of each id given, in order (the unknown row for ids without one)
     unknown: torch.Tensor  # bool per id given: it reads the unknown row
     fresh: torch.Tensor  # bool per id given: its row was given to it this step
-    seen: np.ndarray  # rows of live ids seen this step, and how often
-    seen_counts: np.ndarray
     evicted: Evictions  # ids evicted for lack of room
-    assigned: torch.Tensor  # rows given to new ids, which start fresh; the ids, and how often seen
-    new_ids: np.ndarray
-    new_counts: np.ndarray
-    expired: Evictions = field(default_factory=Evictions.none)  # ids evicted by ttl, known once applied
-    undo: Undo = field(default_factory=Undo)  # complete once applied
-
-
-def _uniform(hashed: np.ndarray) -> np.ndarray:
-    """Hashes as floats in [0, 1): their top 53 bits."""
-    return (hashed >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+    assigned: torch.Tensor  # rows given to new ids, which start fresh
+    expired: Evictions  # ids evicted by ttl
+    undo: Undo
 
 
 _NO_CELLS = np.zeros((0, 0), dtype=np.int64)
+_NO_EVICTIONS = Evictions(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
 _NO_ROWS = np.zeros(0, dtype=np.int64)
+_NO_ID_TENSOR = torch.zeros(0, dtype=torch.int64)
+# stand-ins for the arrays a policy does not keep (the step's kernel reads them as empty)
+_NO_SKETCH = np.zeros((len(SKETCH_SALTS), 0), dtype=np.uint16)
 _NO_COUNTS = np.zeros(0, dtype=np.int32)
 _NO_STEPS = np.zeros(0, dtype=np.uint32)
-_NO_ID_TENSOR = torch.zeros(0, dtype=torch.int64)
+_NO_TIMES = np.zeros(0, dtype=np.int64)
 
 
 @dataclass
@@ -351,8 +252,8 @@ class TableArrays:
     in_use: np.ndarray  # bool
     last_step: np.ndarray | None  # uint32, the step (modulo 2^32) an id was last seen
     last_time_ms: np.ndarray | None  # int64
-    counts: np.ndarray | None  # int32, saturating at _COUNT_MAX
-    sketch: np.ndarray | None  # uint16 [salts, width], saturating at _SKETCH_MAX
+    counts: np.ndarray | None  # int32, saturating at COUNT_MAX
+    sketch: np.ndarray | None  # uint16 [salts, width], saturating at SKETCH_MAX
 
     def flat(self, name: str) -> np.ndarray:
         array = getattr(self, name)
@@ -390,7 +291,7 @@ def buckets_of(ids: np.ndarray, buckets: int) -> np.ndarray:
     the index's hash (which would otherwise crowd a rank's ids into a band of its slots)."""
     if buckets == 1:
         return np.zeros(ids.size, dtype=np.int64)
-    return salted_homes(ids, _BUCKET_SALT, buckets)
+    return salted_homes(ids, BUCKET_SALT, buckets)
 
 
 def bucket_key(bucket: int) -> str:
@@ -436,117 +337,149 @@ class TableIds:
             last_step=np.zeros(n, dtype=np.uint32) if policy in ("lru", "ttl") else None,
             last_time_ms=np.zeros(n, dtype=np.int64) if self.eviction.ttl_seconds is not None else None,
             counts=np.zeros(n, dtype=np.int32) if policy == "lfu" else None,
-            sketch=np.zeros((len(_SKETCH_SALTS), self.sketch_width * len(owned)), np.uint16) if waiting else None,
+            sketch=np.zeros((len(SKETCH_SALTS), self.sketch_width * len(owned)), np.uint16) if waiting else None,
         )
         self.index = IdIndex(self.arrays.ids)
         self.occupied = 0
+        # what spares a step most reads of a bucket's rows (``idstep.give_rows``): derived from the
+        # arrays, never in a snapshot; a recency bucket keeps a sixteenth of its rows' worth of victims
+        self.free_from = self.bucket_starts[:-1].copy()
+        kept = 0 if policy == "lfu" else min(VICTIMS_KEPT, max(1, widest // 16))
+        self.victim_rows = np.zeros((len(owned), kept), np.int32)
+        self.victim_steps = np.zeros((len(owned), kept), np.uint32)
+        self.victims_kept = np.zeros((len(owned), 4), np.int64)
         # per owned bucket, the sum of its sketch cells, kept as they change
         self.sketch_totals = np.zeros(len(owned), dtype=np.int64)
-
-    def _local_buckets(self, ids: np.ndarray) -> np.ndarray:
-        local = buckets_of(ids, self.bucket_count) - self.buckets.start
-        if local.size and (int(local.min()) < 0 or int(local.max()) >= len(self.buckets)):
-            raise ValueError(f"table {self.name}: an id reached a rank that does not own its bucket")
-        return local
+        rule = self.admission
+        admission = (
+            ADMIT_ALL if rule is None else ADMIT_PROBABILITY if rule.probability is not None else ADMIT_MIN_COUNT
+        )
+        self.rules = MapRules(
+            bucket_count=self.bucket_count,
+            first_bucket=owned.start,
+            sketch_width=self.sketch_width,
+            admission=admission,
+            probability=float(rule.probability) if rule is not None and rule.probability is not None else 1.0,
+            min_count=int(rule.min_count) if rule is not None and rule.min_count is not None else 0,
+            start=self.start,
+            unknown_row=self.unknown_row,
+        )
 
     # --- the update -----------------------------------------------------------------------
     def update(self, ids: torch.Tensor, step: int, now_ms: int, counts: torch.Tensor | None = None) -> TableStep:
         """Map ``ids`` (all ranks' ids of step ``step`` in the owned buckets, whose newest event is
         at ``now_ms``; each seen ``counts`` times, once by default), admitting and evicting as
-        configured."""
-        return self.apply(self.decide(ids, step, now_ms, counts))
-
-    def decide(self, ids: torch.Tensor, step: int, now_ms: int, counts: torch.Tensor | None = None) -> TableStep:
-        """What mapping ``ids`` at ``step`` does. Of it, only the admission sketch's count of the
-        waiting ids is done (recorded in the step's undo): the admission reads it."""
-        # ids deduplicated by their senders come with counts: several senders may send one id
-        unique, counts_seen, inverse = distinct(ids.numpy(), None if counts is None else counts.numpy())
-        local_buckets = self._local_buckets(unique)
-        rows = self.index.find(unique, self.slices)
-        hit = rows >= 0
-        seen = rows[hit]
-        waiting = np.flatnonzero(~hit)
+        configured: one compiled pass (``streamtrain.idstep.map_step``), or on several threads a
+        large step's lookups and sketch counts; then the sketch's halvings and, every
+        ``interval_steps``, the interval's work."""
+        values = ids.numpy()
+        weights = values if counts is None else counts.numpy()
+        arrays, rules = self._map_arrays(), self.rules
+        try:
+            if self.slices is not None and len(self.slices.cut(values.size)) > 1:
+                done = self._update_on_threads(values, weights, counts is not None, arrays, step, now_ms)
+            else:
+                done = map_step(values, weights, counts is not None, arrays, rules, step, now_ms)
+        except ValueError as error:
+            raise ValueError(f"table {self.name}: {error}") from None
         undo = Undo()
-        admit = self._admit(undo, unique[waiting], counts_seen[waiting], local_buckets[waiting], step)
-        admitted = waiting[admit]
-        # new ids take rows in the order of their ids, whichever rank's batch brought them first
-        admitted = admitted[np.argsort(unique[admitted])]
-        given, victims = self._rows_for(local_buckets[admitted], seen, step)
-        admitted, assigned = admitted[given >= 0], given[given >= 0]  # the rest found no row this step: unknown
-        rows_of_ids, unknown, fresh = _per_id(rows, admitted, assigned, self.start, self.unknown_row, inverse)
-        evicted = Evictions(torch.from_numpy(victims + self.start), torch.from_numpy(self.arrays.ids[victims]))
+        if rules.admission == ADMIT_MIN_COUNT:
+            undo.record("sketch", done.cells, done.old_cells)
+            self._halve_full_buckets(undo)
+        for name, old in (("last_step", done.old_steps), ("last_time_ms", done.old_times), ("counts", done.old_counts)):
+            if getattr(self.arrays, name) is not None:
+                undo.record(name, done.touched, old)
+        undo.record("ids", done.assigned, done.old_ids)
+        undo.record("in_use", done.assigned, done.old_in_use)
+        self.occupied += int(done.assigned.size) - int(done.victims.size)
+        expired = self._interval(undo, step, now_ms) if step % self.eviction.interval_steps == 0 else Evictions.none()
         return TableStep(
             step=step,
-            now_ms=now_ms,
-            rows=torch.from_numpy(rows_of_ids),
-            unknown=torch.from_numpy(unknown),
-            fresh=torch.from_numpy(fresh),
-            seen=seen,
-            seen_counts=counts_seen[hit],
-            evicted=evicted,
-            assigned=torch.from_numpy(assigned + self.start),
-            new_ids=unique[admitted],
-            new_counts=counts_seen[admitted],
+            rows=torch.from_numpy(done.rows),
+            unknown=torch.from_numpy(done.unknown),
+            fresh=torch.from_numpy(done.fresh),
+            evicted=Evictions(torch.from_numpy(done.victims + self.start), torch.from_numpy(done.evicted_ids)),
+            assigned=torch.from_numpy(done.assigned + self.start),
+            expired=expired,
             undo=undo,
         )
 
-    def apply(self, decided: TableStep) -> TableStep:
-        """Do what ``decide`` decided; ``decided`` with the ids ttl expired."""
-        arrays, undo = self.arrays, decided.undo
-        step, now_ms, seen = decided.step, decided.now_ms, decided.seen
-        self._touch(undo, seen, step, now_ms)
-        if arrays.counts is not None:
-            undo.write(arrays, "counts", seen)[seen] = np.minimum(arrays.counts[seen] + decided.seen_counts, _COUNT_MAX)
-        evicted = decided.evicted.rows.numpy() - self.start
-        self.index.delete(evicted)  # while the rows still hold the evicted ids
-        assigned = decided.assigned.numpy() - self.start
-        undo.write(arrays, "ids", assigned)[assigned] = decided.new_ids
-        undo.write(arrays, "in_use", assigned)[assigned] = True
-        self._touch(undo, assigned, step, now_ms)
-        if arrays.counts is not None:
-            undo.write(arrays, "counts", assigned)[assigned] = np.minimum(decided.new_counts, _COUNT_MAX)
-        self.index.insert(assigned)
-        self.occupied += int(assigned.size) - int(evicted.size)
-        expired = self._interval(undo, step, now_ms) if step % self.eviction.interval_steps == 0 else Evictions.none()
-        return replace(decided, expired=expired)
+    def _map_arrays(self) -> MapArrays:
+        arrays = self.arrays
+        return MapArrays(
+            self.index.slots,
+            arrays.ids,
+            arrays.in_use,
+            _NO_STEPS if arrays.last_step is None else arrays.last_step,
+            _NO_TIMES if arrays.last_time_ms is None else arrays.last_time_ms,
+            _NO_COUNTS if arrays.counts is None else arrays.counts,
+            _NO_SKETCH if arrays.sketch is None else arrays.sketch,
+            self.sketch_totals,
+            self.bucket_starts,
+            self.free_from,
+            self.victim_rows,
+            self.victim_steps,
+            self.victims_kept,
+        )
 
-    def _touch(self, undo: Undo, rows: np.ndarray, step: int, now_ms: int) -> None:
-        """Rows seen at ``step``, whose newest event is at ``now_ms``."""
-        if self.arrays.last_step is not None:
-            undo.write(self.arrays, "last_step", rows)[rows] = step & _STEP_MASK
-        if self.arrays.last_time_ms is not None:
-            undo.write(self.arrays, "last_time_ms", rows)[rows] = now_ms
+    def _update_on_threads(
+        self, values: np.ndarray, weights: np.ndarray, weighted: bool, arrays: MapArrays, step: int, now_ms: int
+    ) -> StepOutcome:
+        """``map_step`` with a large step's lookups and sketch counts on ``slices``' threads: the
+        lookups only read the index, so any cut of the distinct ids gives the same rows; the waiting
+        ids are counted in groups of whole buckets (``_whole_buckets``). The distinct ids, the rows
+        given and the writes stay on the calling thread."""
+        slices, rules = self.slices, self.rules
+        assert slices is not None
+        unique, hashes, sums, inverse = distinct_hashed(values, weights, weighted)
+        rows, local_buckets = np.empty(unique.size, np.int64), np.empty(unique.size, np.int64)
+        owned = len(self.buckets)
 
-    def _count_waiting(self, undo: Undo, ids: np.ndarray, local_buckets: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """Count the sightings of waiting ``ids`` in their buckets' cells; each one's estimate."""
-        sketch = self.arrays.sketch
-        assert sketch is not None
-        width, totals, slices = self.sketch_width, self.sketch_totals, self.slices
-        cut = slices.cut(ids.size) if slices else []
-        if slices is None or len(cut) < 2:
-            estimate, written, old = _count_sightings(sketch, ids, local_buckets, counts, totals, width)
-        else:
-            groups = self._whole_buckets(local_buckets, cut)
+        def look(part: slice) -> bool:
+            return look_up(
+                arrays.slots, arrays.ids, unique[part], hashes[part], rules.bucket_count, rules.first_bucket,
+                owned, rows[part], local_buckets[part],
+            )  # fmt: skip
+
+        if not all(slices.map(look, slices.cut(unique.size))):
+            raise ValueError("an id reached a rank that does not own its bucket")
+        seen, waiting = split_hits(rows)
+        estimate, cells, old_cells = _NO_ROWS, _NO_ROWS, _NO_SKETCH[0]
+        if rules.admission == ADMIT_MIN_COUNT:
+            hash_rows = arrays.sketch.shape[0]
+            groups = self._whole_buckets(local_buckets[waiting], slices.cut(waiting.size))
 
             def count(group: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-                return _count_sightings(sketch, ids[group], local_buckets[group], counts[group], totals, width)
+                part = np.empty(group.size, np.int64)
+                written, old = np.empty(hash_rows * group.size, np.int64), np.empty(hash_rows * group.size, np.uint16)
+                count_sightings(
+                    arrays.sketch, arrays.sketch_totals, rules.sketch_width, unique, sums, local_buckets,
+                    waiting[group], part, written, old,
+                )  # fmt: skip
+                return part, written, old
 
             counted = slices.map(count, groups)
-            estimate = np.empty(ids.size, dtype=np.int64)
+            estimate = np.empty(waiting.size, np.int64)
             for group, (part, _written, _old) in zip(groups, counted, strict=True):
                 estimate[group] = part
-            written = np.concatenate([c[1] for c in counted])
-            old = np.concatenate([c[2] for c in counted])
-        undo.record("sketch", written, old)
-        # TinyLFU's sample: once a bucket's cells hold a sighting each on average, halve them,
-        # however many steps that took. Halving only every interval_steps lets a stream with many ids
-        # seen once fill every cell between halvings, and then every new id looks seen before. Each
-        # bucket by itself, so that its map depends on its own ids only, at any world size.
-        for bucket in np.flatnonzero(self.sketch_totals >= len(_SKETCH_SALTS) * self.sketch_width).tolist():
+            cells = np.concatenate([c[1] for c in counted])
+            old_cells = np.concatenate([c[2] for c in counted])
+        return admit_and_write(
+            unique, sums, inverse, rows, local_buckets, seen, waiting, estimate, cells, old_cells, arrays, rules,
+            step, now_ms,
+        )  # fmt: skip
+
+    def _halve_full_buckets(self, undo: Undo) -> None:
+        """TinyLFU's sample: once a bucket's cells hold a sighting each on average, halve them,
+        however many steps that took. Halving only every interval_steps lets a stream with many ids
+        seen once fill every cell between halvings, and then every new id looks seen before. Each
+        bucket by itself, so that its map depends on its own ids only, at any world size."""
+        sketch = self.arrays.sketch
+        assert sketch is not None
+        for bucket in np.flatnonzero(self.sketch_totals >= len(SKETCH_SALTS) * self.sketch_width).tolist():
             columns = slice(bucket * self.sketch_width, (bucket + 1) * self.sketch_width)
             undo.halve(self.arrays, "sketch", columns)
             self.sketch_totals[bucket] = int(sketch[:, columns].sum(dtype=np.int64))
-        return estimate
 
     def _whole_buckets(self, local_buckets: np.ndarray, cut: list[slice]) -> list[np.ndarray]:
         """The positions of ``local_buckets`` in groups of whole buckets, about as ``cut`` cuts them.
@@ -563,43 +496,8 @@ class TableIds:
     def _recount_sketch(self) -> None:
         sketch = self.arrays.sketch
         assert sketch is not None
-        per_bucket = sketch.reshape(len(_SKETCH_SALTS), len(self.buckets), self.sketch_width)
+        per_bucket = sketch.reshape(len(SKETCH_SALTS), len(self.buckets), self.sketch_width)
         self.sketch_totals = per_bucket.sum(axis=(0, 2), dtype=np.int64)
-
-    def _admit(
-        self, undo: Undo, ids: np.ndarray, counts: np.ndarray, local_buckets: np.ndarray, step: int
-    ) -> np.ndarray:
-        """Which of ``ids`` (without rows, seen ``counts`` times, in ``local_buckets``) are
-        admitted; for min_count, their sightings are counted first (each bucket has its own cells)."""
-        rule = self.admission
-        if rule is None or ids.size == 0:
-            return np.ones(ids.size, dtype=np.bool_)
-        raw = ids.view(np.uint64)
-        if rule.probability is not None:
-            draw = _uniform(splitmix64(raw ^ splitmix64(np.array([step], dtype=np.uint64))))
-            return draw < rule.probability
-        assert rule.min_count is not None
-        return self._count_waiting(undo, ids, local_buckets, counts) >= rule.min_count
-
-    def _rows_for(self, local_buckets: np.ndarray, seen: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """A row (in the arrays) for each admitted id, of the id's bucket (``local_buckets``), or -1
-        where its bucket has none left, and the victims evicted for them (``_give_rows``)."""
-        if local_buckets.size == 0:
-            return _NO_ROWS, _NO_ROWS
-        counts, last_step = self.arrays.counts, self.arrays.last_step
-        by_count = counts is not None
-        if not by_count:
-            assert last_step is not None  # lru and ttl keep it
-        return _give_rows(
-            local_buckets,
-            self.bucket_starts,
-            self.arrays.in_use,
-            seen,
-            counts if counts is not None else _NO_COUNTS,
-            last_step if last_step is not None else _NO_STEPS,
-            by_count,
-            np.uint32(step & _STEP_MASK),
-        )
 
     def _interval(self, undo: Undo, step: int, now_ms: int) -> Evictions:
         arrays, eviction = self.arrays, self.eviction
@@ -618,6 +516,8 @@ class TableIds:
             stale = arrays.last_time_ms < now_ms - int(eviction.ttl_seconds * 1000)
         rows = np.flatnonzero(stale & arrays.in_use)
         self.index.delete(rows)
+        # freed rows are given again, lowest first
+        np.minimum.at(self.free_from, np.searchsorted(self.bucket_starts, rows, side="right") - 1, rows)
         undo.write(arrays, "in_use", rows)[rows] = False
         self.occupied -= int(rows.size)
         return Evictions(torch.from_numpy(rows + self.start), torch.from_numpy(arrays.ids[rows].copy()))
@@ -635,8 +535,10 @@ class TableIds:
         return torch.from_numpy(rows + self.start), torch.from_numpy(arrays.ids[rows].copy())
 
     def memory_bytes(self) -> int:
-        """Bytes of the map: its arrays and index, which are made at their full size."""
-        return self.arrays.nbytes + self.index.nbytes
+        """Bytes of the map: its arrays and index, which are made at their full size, and what it
+        keeps to spare a step reads of its rows."""
+        kept = (self.free_from, self.victim_rows, self.victim_steps, self.victims_kept)
+        return self.arrays.nbytes + self.index.nbytes + sum(a.nbytes for a in kept)
 
     def at(self, undone: Sequence[TableStep]) -> TableArrays:
         """A copy of the arrays as they were before ``undone``, this map's newest steps in order."""
@@ -689,14 +591,16 @@ class TableIds:
             if arrays.last_time_ms is not None:
                 arrays.last_time_ms[first:end] = part["last_time_ms"].numpy()
             if arrays.counts is not None:
-                arrays.counts[first:end] = np.minimum(part["counts"].numpy(), _COUNT_MAX)
+                arrays.counts[first:end] = np.minimum(part["counts"].numpy(), COUNT_MAX)
             if arrays.sketch is not None:
                 cells = slice(at * self.sketch_width, (at + 1) * self.sketch_width)
                 # absent where the snapshot's admission kept no sketch of this size: its ids count from zero
-                arrays.sketch[:, cells] = np.minimum(part["sketch"].numpy(), _SKETCH_MAX) if "sketch" in part else 0
+                arrays.sketch[:, cells] = np.minimum(part["sketch"].numpy(), SKETCH_MAX) if "sketch" in part else 0
         if arrays.sketch is not None:
             self._recount_sketch()
         rows = np.flatnonzero(arrays.in_use)
+        self.free_from[:] = self.bucket_starts[:-1]
+        self.victims_kept[:] = 0
         self.index.clear()
         try:
             self.index.insert(rows)
@@ -757,7 +661,15 @@ class IdSpace:
     """The managed tables' id space on one rank: maps each step's batch (``translate``), resets
     the rows it gave away before that batch trains (``before_forward``), and gives the map at the
     cut (the map less the steps of the batches still in flight) to snapshots and deltas. Every rank
-    calls each method at the same step."""
+    calls each method at the same step.
+
+    ``ahead`` maps each batch on a thread of its own while the caller trains the batches before it.
+    The cut's readers and the mapper meet at ``lock``, which covers a step's update of the map
+    together with its place in flight, and is never held across a collective: the cut (the map
+    less the steps in flight) changes only when a batch has trained, on the training thread, so a
+    snapshot and a delta cut taken between two steps read one map, whatever the mapper is doing.
+    Every collective of the id space (its own gloo group's) is made on one thread at a time: the
+    mapper's while it lives, so every rank makes them in the same order."""
 
     def __init__(
         self,
@@ -782,8 +694,10 @@ class IdSpace:
             t.name: np.repeat(ranks, [len(owned_buckets(t, r, world_size)) for r in range(world_size)])
             for t in self.tables
         }
+        self.lock = threading.Lock()  # over the map, in_flight and the eviction log (``ahead``)
         self.in_flight: deque[_Mapped] = deque()  # mapped, not yet trained: the cut undoes them
         self.to_reset: deque[_Mapped] = deque()  # mapped, forward pass not yet started
+        self.mapper: ThreadPoolExecutor | None = None  # while ``ahead`` maps on a thread of its own
         # The newest step (``awaiting_fresh``) whose fresh rows are not yet gathered, and those of
         # them this rank's own ids took (``unsent_fresh``), which the next exchange carries.
         self.awaiting_fresh: _Mapped | None = None
@@ -798,6 +712,29 @@ class IdSpace:
                 metrics.rows.labels(name).set(table.capacity)
 
     # --- the stage -------------------------------------------------------------------------
+    def ahead(self, batches: Iterator[ClickBatch]) -> Iterator[ClickBatch]:
+        """``batches`` translated, each mapped on a thread of the id space's own (``st-idahead``)
+        while the caller trains the batches before it, so that the map's work and its exchange's
+        waits overlap the training step. Batches are taken from ``batches`` on the caller's thread,
+        in order, one ahead of those handed on (``MAPPED_AHEAD``: a paused stream needs one more
+        empty step to train the last real batch); the cut leaves the one mapped ahead out, like any
+        batch in flight, until it has trained."""
+        with ThreadPoolExecutor(
+            1, thread_name_prefix=IDAHEAD, initializer=name_this_thread, initargs=(IDAHEAD,)
+        ) as mapper:
+            self.mapper = mapper
+            try:
+                mapping: Future[ClickBatch] | None = None
+                for batch in batches:
+                    upcoming = mapper.submit(self.translate, batch)
+                    if mapping is not None:
+                        yield mapping.result()
+                    mapping = upcoming
+                if mapping is not None:
+                    yield mapping.result()
+            finally:
+                self.mapper = None
+
     def translate(self, batch: ClickBatch) -> ClickBatch:
         """``batch`` with its managed tables' raw ids replaced by rows: each id is sent to the rank
         that owns its bucket, mapped there, and its row sent back."""
@@ -829,20 +766,31 @@ class IdSpace:
         """Map one step: ``own``, this rank's raw ids per managed table, whose newest event is at
         ``newest``; their rows, in order. The step joins those in flight."""
         if self.world_size == 1:
-            steps = self.mapping.update(own, newest)
+            mapped = self._update(own, newest)
+            steps = mapped.steps
             rows = {name: step.rows for name, step in steps.items()}
-            mapped = _Mapped(steps, self.mapping.step, {n: torch.sort(s.assigned).values for n, s in steps.items()})
+            mapped.fresh = {n: torch.sort(s.assigned).values for n, s in steps.items()}
         else:
             exchange = _Exchange(self, own, newest, self.unsent_fresh)
             self._gathered(exchange.fresh)
-            steps = self.mapping.update(exchange.received, exchange.now_ms, exchange.counts)
+            mapped = self._update(exchange.received, exchange.now_ms, exchange.counts)
+            steps = mapped.steps
             rows, self.unsent_fresh = exchange.back(steps)
-            mapped = self.awaiting_fresh = _Mapped(steps, self.mapping.step)
-        self.in_flight.append(mapped)
+            self.awaiting_fresh = mapped
         self.to_reset.append(mapped)
         for name, step in steps.items():
             self._count(name, step, rows[name])
         return rows
+
+    def _update(
+        self, ids: dict[str, torch.Tensor], now_ms: int, counts: dict[str, torch.Tensor] | None = None
+    ) -> _Mapped:
+        """The map's update and its place in flight, together: the cut never sees one without the other."""
+        with self.lock:
+            steps = self.mapping.update(ids, now_ms, counts)
+            mapped = _Mapped(steps, self.mapping.step)
+            self.in_flight.append(mapped)
+            return mapped
 
     def before_forward(self) -> None:
         """The next batch's forward pass starts: re-initialise the rows its step gave away."""
@@ -851,12 +799,18 @@ class IdSpace:
             return
         if mapped.fresh is None:  # no step has been mapped since (the stream's last batch): gather now
             assert mapped is self.awaiting_fresh
-            no_ids = {t.name: _NO_ID_TENSOR for t in self.tables}
-            self._gathered(_Exchange(self, no_ids, 0, self.unsent_fresh).fresh)
-            self.unsent_fresh = self._no_rows()
+            mapper = self.mapper
+            # on the mapper's thread while it lives, after the exchanges it was given: one order on every rank
+            (mapper.submit(self._gather_last_fresh).result() if mapper else self._gather_last_fresh())
         assert mapped.fresh is not None
         for name, rows in mapped.fresh.items():
             self.resetter.reset(name, rows, mapped.step)
+
+    def _gather_last_fresh(self) -> None:
+        """An exchange of no ids, which carries the fresh rows of the step no later step carried."""
+        no_ids = {t.name: _NO_ID_TENSOR for t in self.tables}
+        self._gathered(_Exchange(self, no_ids, 0, self.unsent_fresh).fresh)
+        self.unsent_fresh = self._no_rows()
 
     def _gathered(self, fresh: dict[str, np.ndarray]) -> None:
         """Every rank's fresh rows of the step awaiting them (each rank's own, those its ids took)."""
@@ -869,15 +823,16 @@ class IdSpace:
 
     def trained(self) -> None:
         """The oldest batch in flight has trained: its step joins the cut."""
-        mapped = self.in_flight.popleft()
-        for name, step in mapped.steps.items():
-            log_ = self.eviction_log[name]
-            for evictions in (step.evicted, step.expired):
-                if len(evictions):
-                    log_.append((mapped.step, evictions))
-            while log_ and log_[0][0] <= mapped.step - _EVICTION_LOG_STEPS:
-                log_.popleft()
-        self.eviction_log_from = max(self.eviction_log_from, mapped.step - _EVICTION_LOG_STEPS)
+        with self.lock:
+            mapped = self.in_flight.popleft()
+            for name, step in mapped.steps.items():
+                log_ = self.eviction_log[name]
+                for evictions in (step.evicted, step.expired):
+                    if len(evictions):
+                        log_.append((mapped.step, evictions))
+                while log_ and log_[0][0] <= mapped.step - _EVICTION_LOG_STEPS:
+                    log_.popleft()
+            self.eviction_log_from = max(self.eviction_log_from, mapped.step - _EVICTION_LOG_STEPS)
 
     def _count(self, name: str, step: TableStep, rows: torch.Tensor) -> None:
         """``step``: this rank's buckets'; ``rows``: of this rank's own events."""
@@ -889,7 +844,8 @@ class IdSpace:
         metrics.evictions.labels(name, "ttl").inc(len(step.expired))
         metrics.unknown_lookups.labels(name).inc(int((rows == table.unknown_row).sum()))
         metrics.rows_in_use.labels(name).set(table.occupied)
-        metrics.memory_bytes.labels(name).set(self._table_bytes(name))
+        with self.lock:
+            metrics.memory_bytes.labels(name).set(self._table_bytes(name))
 
     def _table_bytes(self, name: str) -> int:
         return self.mapping.tables[name].memory_bytes() + sum(m.steps[name].undo.nbytes for m in self.in_flight)
@@ -897,35 +853,40 @@ class IdSpace:
     def memory_bytes(self) -> int:
         """What the maps take in memory on this rank, every managed table's: their arrays and index
         (made at full size), and the undo of the steps in flight."""
-        return sum(self._table_bytes(t.name) for t in self.tables)
+        with self.lock:
+            return sum(self._table_bytes(t.name) for t in self.tables)
 
     # --- the cut: snapshots and deltas --------------------------------------------------------
     def state_dict(self) -> dict[str, object]:
         """The map at the cut: the trained batches' (the steps of the batches in flight undone on a
         copy of the arrays; the map itself stays ahead)."""
-        return self.mapping.state_dict([m.steps for m in self.in_flight])
+        with self.lock:
+            return self.mapping.state_dict([m.steps for m in self.in_flight])
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Take a snapshot's map; call before any batch is mapped."""
         if self.in_flight:
             raise RuntimeError("a snapshot's id map can only be loaded before training starts")
-        self.mapping.load_state_dict(state)
-        for log_ in self.eviction_log.values():
-            log_.clear()
-        self.eviction_log_from = self.mapping.step
+        with self.lock:
+            self.mapping.load_state_dict(state)
+            for log_ in self.eviction_log.values():
+                log_.clear()
+            self.eviction_log_from = self.mapping.step
 
     def raw_ids(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
         """At the cut: the rows of ``table`` that hold live ids, ascending, and those raw ids."""
         ids = self.mapping.tables[table]
-        return ids.live(ids.at([m.steps[table] for m in self.in_flight]) if self.in_flight else None)
+        with self.lock:
+            return ids.live(ids.at([m.steps[table] for m in self.in_flight]) if self.in_flight else None)
 
     def evicted_since(self, table: str, step: int) -> Evictions | None:
         """Ids of ``table`` evicted after id-space step ``step`` up to the cut, oldest first (an id
         may appear more than once); None when the log does not reach back that far (it keeps
         10,000 steps, and starts afresh at a restore): then take everything (``raw_ids``)."""
-        if step < self.eviction_log_from:
-            return None
-        later = [e for s, e in self.eviction_log[table] if s > step]
+        with self.lock:
+            if step < self.eviction_log_from:
+                return None
+            later = [e for s, e in self.eviction_log[table] if s > step]
         if not later:
             return Evictions.none()
         return Evictions(torch.cat([e.rows for e in later]), torch.cat([e.ids for e in later]))
@@ -933,7 +894,8 @@ class IdSpace:
     @property
     def step(self) -> int:
         """The id-space step of the cut: how many steps the trained batches took."""
-        return self.mapping.step - len(self.in_flight)
+        with self.lock:
+            return self.mapping.step - len(self.in_flight)
 
 
 class _Exchange:
@@ -1070,6 +1032,19 @@ class _Shard:
     col_offset: int
 
 
+@dataclass(frozen=True)
+class _HostShards:
+    """A table's shards on this rank as the reset kernel takes them: numpy views of the weights and
+    of each optimizer state (as [rows, values a row]), their offsets, and each state's shard (-1
+    for the stand-in a stateless optimizer passes)."""
+
+    weights: tuple[np.ndarray, ...]
+    row_offsets: np.ndarray
+    col_offsets: np.ndarray
+    states: tuple[np.ndarray, ...]
+    state_shards: np.ndarray
+
+
 class RowResetter:
     """Starts rows fresh in a sharded model: weights re-initialised, optimizer state zeroed, on
     each shard this rank holds.
@@ -1077,7 +1052,13 @@ class RowResetter:
     It writes into fbgemm's table-batched kernels (``split_embedding_weights`` and
     ``split_optimizer_states`` are views), where ``fbgemm::reset_weight_momentum`` would on a GPU;
     it has no CPU kernel. The new weights are drawn from a generator seeded by the table and the
-    step, and cut to each shard, so every sharding gives a row the same values."""
+    step (``fresh_weights``), and cut to each shard, so every sharding gives a row the same values.
+
+    On the host, a table's reset is one numba call (``_reset_rows``): it draws what torch's CPU
+    generator draws for that seed, bit for bit (MT19937, as ``torch.Generator``), and writes each
+    shard's rows in place, where the torch path takes about a dozen operator calls a shard. Shards
+    off the host (a GPU's), or a host whose torch draws otherwise (checked once), take the torch
+    path."""
 
     def __init__(self, model: nn.Module, tables: Sequence[TableConfig], seed: int):
         from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbedding, BaseBatchedEmbeddingBag
@@ -1098,17 +1079,39 @@ class RowResetter:
                 if shard.name in self.shards:
                     offsets = shard.local_metadata.shard_offsets if shard.local_metadata else [0, 0]
                     self.shards[shard.name].append(_Shard(weights[i], list(states[i]), offsets[0], offsets[1]))
+        self.on_host = {name: _on_host(shards) for name, shards in self.shards.items()} if _draws_like_torch() else {}
+
+    def _seed(self, table: str, step: int) -> int:
+        return ((self.seed * 1_000_003 + self.order[table]) * 1_000_000_007 + step) % 2**63
+
+    def _bound(self, table: str) -> float:
+        return math.sqrt(1.0 / self.tables[table].num_embeddings)
 
     def fresh_weights(self, table: str, rows: torch.Tensor, step: int) -> torch.Tensor:
         """The full rows (all columns) that ``reset`` writes, the same on every rank."""
-        config = self.tables[table]
-        bound = math.sqrt(1.0 / config.num_embeddings)
-        seed = ((self.seed * 1_000_003 + self.order[table]) * 1_000_000_007 + step) % 2**63
-        generator = torch.Generator().manual_seed(seed)
-        return torch.empty(int(rows.numel()), config.embedding_dim).uniform_(-bound, bound, generator=generator)
+        bound = self._bound(table)
+        generator = torch.Generator().manual_seed(self._seed(table, step))
+        return torch.empty(int(rows.numel()), self.tables[table].embedding_dim).uniform_(
+            -bound, bound, generator=generator
+        )
 
     def reset(self, table: str, rows: torch.Tensor, step: int) -> None:
-        if rows.numel() == 0:
+        """Start ``rows`` (ascending, distinct) of ``table`` fresh on this rank's shards of it."""
+        if rows.numel() == 0 or not self.shards[table]:
+            return
+        host = self.on_host.get(table)
+        if host is not None:
+            _reset_rows(
+                rows.numpy(),
+                self._seed(table, step),
+                self.tables[table].embedding_dim,
+                self._bound(table),
+                host.weights,
+                host.row_offsets,
+                host.col_offsets,
+                host.states,
+                host.state_shards,
+            )
             return
         fresh = self.fresh_weights(table, rows, step)
         with torch.no_grad():
@@ -1120,6 +1123,110 @@ class RowResetter:
                 shard.weights[local] = fresh[mine][:, cols].to(shard.weights.dtype)
                 for state in shard.states:
                     state[local] = 0
+
+
+def _on_host(shards: list[_Shard]) -> _HostShards | None:
+    """``shards`` as the reset kernel takes them, or None where it cannot write them in place: off
+    the host, not float32, or not contiguous (a view numpy would have to copy)."""
+    tensors = [shard.weights for shard in shards] + [state for shard in shards for state in shard.states]
+    if not shards or any(t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        return None
+    states = [(at, state) for at, shard in enumerate(shards) for state in shard.states]
+    return _HostShards(
+        weights=tuple(shard.weights.detach().numpy() for shard in shards),
+        row_offsets=np.array([shard.row_offset for shard in shards], dtype=np.int64),
+        col_offsets=np.array([shard.col_offset for shard in shards], dtype=np.int64),
+        # a stateless optimizer passes one empty stand-in, so the kernel's types stay the same
+        states=tuple(state.detach().numpy().reshape(state.shape[0], -1) for _at, state in states)
+        or (np.zeros((0, 1), dtype=np.float32),),
+        state_shards=np.array([at for at, _state in states] or [-1], dtype=np.int64),
+    )
+
+
+_MT_WORDS, _MT_SHIFT = 624, 397  # MT19937's state and its twist's offset
+_LOW_31, _HIGH_1 = np.uint64(0x7FFFFFFF), np.uint64(0x80000000)
+_U32 = np.uint64(0xFFFFFFFF)
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _torch_uniform(seed: int, count: int, bound: float) -> np.ndarray:
+    """What ``torch.empty(count).uniform_(-bound, bound, generator=torch.Generator().manual_seed(seed))``
+    draws, bit for bit: torch's CPU generator is MT19937 seeded with the seed's low 32 bits, and a
+    float takes one 32-bit draw's low 24 bits as x in [0, 1), then x * (to - from) + from with one
+    rounding (a fused multiply-add; in float64 it is exact, so rounding that once to float32 gives
+    the same)."""
+    state = np.empty(_MT_WORDS, dtype=np.uint64)
+    state[0] = np.uint64(seed) & _U32
+    for i in range(1, _MT_WORDS):
+        previous = state[i - 1]
+        state[i] = (np.uint64(1812433253) * (previous ^ (previous >> np.uint64(30))) + np.uint64(i)) & _U32
+    low, high = np.float32(-bound), np.float32(bound)
+    span, start = np.float64(high - low), np.float64(low)
+    out = np.empty(count, dtype=np.float32)
+    at = _MT_WORDS
+    for k in range(count):
+        if at == _MT_WORDS:
+            for i in range(_MT_WORDS):
+                y = (state[i] & _HIGH_1) | (state[(i + 1) % _MT_WORDS] & _LOW_31)
+                twisted = state[(i + _MT_SHIFT) % _MT_WORDS] ^ (y >> np.uint64(1))
+                state[i] = twisted ^ np.uint64(0x9908B0DF) if y & np.uint64(1) else twisted
+            at = 0
+        y = state[at]
+        at += 1
+        y ^= y >> np.uint64(11)
+        y ^= (y << np.uint64(7)) & np.uint64(0x9D2C5680)
+        y ^= (y << np.uint64(15)) & np.uint64(0xEFC60000)
+        y ^= y >> np.uint64(18)
+        x = np.float64(y & np.uint64(0xFFFFFF)) / 16777216.0
+        out[k] = np.float32(x * span + start)
+    return out
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
+def _reset_rows(
+    rows: np.ndarray,
+    seed: int,
+    dim: int,
+    bound: float,
+    weights: tuple[np.ndarray, ...],
+    row_offsets: np.ndarray,
+    col_offsets: np.ndarray,
+    states: tuple[np.ndarray, ...],
+    state_shards: np.ndarray,
+) -> None:
+    """``RowResetter.reset`` of one table on the host: the fresh rows drawn as torch draws them,
+    each shard's part of them written, and its optimizer states' rows zeroed."""
+    fresh = _torch_uniform(seed, rows.shape[0] * dim, bound)
+    for s in range(len(weights)):
+        shard = weights[s]
+        for r in range(rows.shape[0]):
+            local = rows[r] - row_offsets[s]
+            if 0 <= local < shard.shape[0]:
+                shard[local, :] = fresh[r * dim + col_offsets[s] : r * dim + col_offsets[s] + shard.shape[1]]
+    for t in range(len(states)):
+        s = state_shards[t]
+        if s < 0:
+            continue
+        state = states[t]
+        for r in range(rows.shape[0]):
+            local = rows[r] - row_offsets[s]
+            if 0 <= local < state.shape[0]:
+                state[local, :] = 0
+
+
+_CHECKED_DRAW: list[bool] = []
+
+
+def _draws_like_torch() -> bool:
+    """Whether ``_torch_uniform`` draws what this torch draws (checked once a process): the host
+    reset kernel is used only then."""
+    if not _CHECKED_DRAW:
+        seed, count, bound = 2**62 + 12_345, 700, math.sqrt(1 / 1_000_003)  # past one twist of the state
+        expected = torch.empty(count).uniform_(-bound, bound, generator=torch.Generator().manual_seed(seed))
+        _CHECKED_DRAW.append(bool(np.array_equal(_torch_uniform(seed, count, bound), expected.numpy())))
+        if not _CHECKED_DRAW[0]:
+            log.warning("this torch draws other uniform weights than MT19937 gives: fresh rows reset through torch")
+    return _CHECKED_DRAW[0]
 
 
 def _kernels(model: nn.Module, kind: type[nn.Module] | tuple[type[nn.Module], ...]) -> list[nn.Module]:

@@ -92,9 +92,12 @@ class Lockstep:
         heartbeat: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
         max_events: int | None = None,
+        lookahead: int = PIPELINE_LOOKAHEAD,
     ):
         """An agreed question (``take_agreed()``) is a reason to step even when no rank has data,
-        so that e.g. a due snapshot is taken on an idle stream."""
+        so that e.g. a due snapshot is taken on an idle stream. ``lookahead``: how many batches the
+        trainer takes ahead of the one it trains (``Trainer.lookahead``), so how many empty steps
+        finish the real ones it holds when the stream pauses."""
         self.batches = batches
         self.empty_batch = empty_batch
         self.world_size = world_size
@@ -104,6 +107,7 @@ class Lockstep:
         self.heartbeat = heartbeat  # the loop turns at least every IDLE_WAIT_SECONDS unless it hangs
         self.clock = clock
         self.max_events = max_events
+        self.lookahead = lookahead
         self.agreed: dict[str, bool] = dict.fromkeys(self.questions, False)
 
     def take_agreed(self) -> dict[str, bool]:
@@ -112,10 +116,11 @@ class Lockstep:
         return agreed
 
     def __iter__(self) -> Iterator[ClickBatch]:
-        # TrainPipelineSparseDist trains batch i once it has taken batch i+2. When the stream
-        # pauses, empty steps let it finish the real batches it holds instead of waiting for
-        # traffic. The global sizes of the last steps are the same on every rank.
-        recent_global_sizes: deque[int] = deque([0] * PIPELINE_LOOKAHEAD, maxlen=PIPELINE_LOOKAHEAD)
+        # TrainPipelineSparseDist trains batch i once it has taken batch i+2 (i+3 with the id space
+        # mapping ahead). When the stream pauses, empty steps let it finish the real batches it
+        # holds instead of waiting for traffic. The global sizes of the last steps are the same on
+        # every rank.
+        recent_global_sizes: deque[int] = deque([0] * self.lookahead, maxlen=self.lookahead)
         busy = False
         last_step = self.clock()
         stepped = 0  # events over all ranks: the same on every rank

@@ -23,6 +23,8 @@ PREFETCH = "st-prefetch"
 DECODE = "st-decode"
 # A rank's helpers mapping slices of a step's managed ids (streamtrain/idspace.py).
 IDMAP = "st-idmap"
+# A rank's thread mapping the managed ids of the batch after the one training (streamtrain/idspace.py).
+IDAHEAD = "st-idahead"
 
 _PR_SET_NAME = 15
 _NAME_BYTES = 16  # the kernel's limit, the terminating NUL included

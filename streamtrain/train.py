@@ -50,7 +50,8 @@ from streamtrain.device import (
     host_memory_bytes,
     summing_over_ranks,
 )
-from streamtrain.idspace import IdSpace, RowResetter, managed_tables
+from streamtrain.idspace import MAPPED_AHEAD, IdSpace, RowResetter, managed_tables
+from streamtrain.lockstep import PIPELINE_LOOKAHEAD
 from streamtrain.metrics import IdSpaceMetrics
 from streamtrain.model import ClickModel
 from streamtrain.models.base import table_weights
@@ -490,9 +491,13 @@ class Trainer:
         self.step = 0
         # es_dfm's late share, attached to each batch as the pipeline takes it (restored by the worker)
         self.late_share = LateShare(len(config.tasks())) if config.delayed_labels is not None else None
-        # Managed tables get rows from the id space just before the pipeline takes each batch;
-        # the rows a batch's step gave away start fresh just before that batch's forward pass.
+        # Managed tables get rows from the id space just before the pipeline takes each batch, or
+        # one batch earlier on a thread of its own (batching.map_ahead); the rows a batch's step
+        # gave away start fresh just before that batch's forward pass.
         self.id_space: IdSpace | None = None
+        self.map_ahead = False
+        # how many batches the trainer takes ahead of the one it trains
+        self.lookahead = PIPELINE_LOOKAHEAD
         if managed_tables(config.features):
             group = gloo_group(env.world_size, config.distributed.timeout_seconds)
             # the map runs on this thread between the step's operators: it may take their threads' cores
@@ -500,6 +505,9 @@ class Trainer:
             id_space = self.id_space = IdSpace(config.features, env.world_size, group, id_space_metrics, threads)
             id_space.resetter = RowResetter(self.model, managed_tables(config.features), config.model.seed)
             self.model.module.register_forward_pre_hook(lambda _module, _args: id_space.before_forward())
+            ahead = config.batching.map_ahead
+            self.map_ahead = env.device.type == "cuda" if ahead is None else ahead
+            self.lookahead += MAPPED_AHEAD if self.map_ahead else 0
 
     def train(self, batches: Iterable[ClickBatch]) -> Iterator[StepResult]:
         """Train every batch ``batches`` yields, in order; one result per trained batch."""
@@ -512,13 +520,15 @@ class Trainer:
         def feed() -> Iterator[ClickBatch]:
             nonlocal waited
             upstream = iter(batches)
+            if self.id_space is not None and self.map_ahead:
+                upstream = self.id_space.ahead(upstream)
             while True:
                 asked = time.perf_counter()
                 batch = next(upstream, None)
                 waited += time.perf_counter() - asked
                 if batch is None:
                     return
-                if self.id_space is not None:
+                if self.id_space is not None and not self.map_ahead:
                     batch = self.id_space.translate(batch)
                 if self.late_share is not None:
                     batch = self.late_share.attach(batch)

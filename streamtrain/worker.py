@@ -375,6 +375,7 @@ def _run(
         questions={**snapshots.questions(), **(publisher.questions() if publisher else {})},
         heartbeat=health.beat,
         max_events=max_events,
+        lookahead=trainer.lookahead,
     )
     signals.started(prefetcher, snapshots.request)
     progress = _Progress(

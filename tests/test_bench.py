@@ -489,6 +489,16 @@ def test_idspace_benchmark_trains_one_drifting_stream_hash_managed_and_reference
     assert scale["memory_per_rank_ratio"] <= 1.2 and scale["ids_per_rank_ratio"] <= 1.3
     assert scale["projected_step_seconds_8x32k"] > 0 and "projected map time a step" in printed
     assert scale["threaded"]["speedup"] > 0 and f"1 rank on {scale['threaded']['threads']} threads" in printed
+    # the figures the managed map's goals read: compute per id, the projection's two terms, the ratios
+    assert saved["ns_per_id_one_thread"] == scale["ns_per_id_one_thread"] > 0 and scale["ns_per_id_threaded"] > 0
+    assert saved["projected_step_seconds_8x32k"] == pytest.approx(
+        saved["projected_compute_seconds"] + saved["projected_exchange_seconds"]
+    )
+    assert 0 < saved["projected_exchange_seconds"] < saved["projected_compute_seconds"]
+    assert saved["throughput_ratio"] == statistics.median(saved["throughput_ratio_by_round"])
+    assert len(saved["throughput_ratio_by_round"]) == 9  # the rounds after the warm-up
+    assert saved["throughput_ratio_2_ranks"] == statistics.median(saved["throughput_ratio_2_ranks_by_round"]) > 0
+    assert "at 2 ranks: throughput managed / hash" in printed and "ns an id on one thread" in printed
     tailed = saved["tailed"]
     assert tailed["drift"]["one_off"] == pytest.approx(1 / 3) and tailed["managed_admission"] == {"min_count": 2}
     assert "scale" not in tailed  # the scale leg reads no stream: it runs once

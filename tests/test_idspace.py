@@ -26,9 +26,19 @@ from streamtrain.delivery.publisher import table_keys
 from streamtrain.dev.kafka import free_port
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events
 from streamtrain.device import gloo_group, init_distributed
-from streamtrain.idspace import MIN_SLICE_IDS, IdMapping, IdSpace, TableArrays, TableIds, TableStep, Undo, whole_map
+from streamtrain.idspace import (
+    MIN_SLICE_IDS,
+    IdMapping,
+    IdSpace,
+    TableArrays,
+    TableIds,
+    TableStep,
+    Undo,
+    bucket_start,
+    whole_map,
+)
 from streamtrain.source import RawEvent
-from streamtrain.threads import IDMAP
+from streamtrain.threads import IDAHEAD, IDMAP
 from streamtrain.train import Trainer
 
 # Small tables for the stream's Zipf ids (a million users), so rows are evicted from the first steps;
@@ -555,6 +565,134 @@ def test_a_step_exchanges_ids_in_two_all_to_alls_and_one_that_outgrows_the_slot_
         ids = np.concatenate([rng.integers(0, 3_000, n) + 100 * step for rng in rngs])
         mapping.update({"user_id": torch.from_numpy(ids)}, 1_000 + step)
     assert_same_state(merged([r["map"] for r in results]), mapping.state_dict())
+
+
+@pytest.mark.parametrize("optimizer", ["row_wise_adagrad", "adagrad", "sgd"])
+def test_fresh_rows_reset_on_the_host_in_one_call_are_the_torch_paths_bit_for_bit(optimizer):
+    """The host reset kernel draws what torch's generator draws for the table and step, and writes
+    it and the zeroed optimizer state where the torch path writes them, in every shard (user_id
+    column_wise), leaving the other rows as they were."""
+    config = parse_config(managed_raw(optimizer, {"user_id": "column_wise"}), environ={})
+    trainer = Trainer(config, init_distributed())
+    list(trainer.train(iter(rank_batches(AvroBatchDecoder(config.features), 0, 1, global_batches(3)))))
+    assert trainer.id_space is not None and trainer.id_space.resetter is not None
+    resetter = trainer.id_space.resetter
+    host = dict(resetter.on_host)
+    assert all(host[name] is not None for name in ROWS), "a CPU table took the torch path"
+    tensors = {name: [t for s in resetter.shards[name] for t in (s.weights, *s.states)] for name in ROWS}
+    trained = {name: [t.clone() for t in ts] for name, ts in tensors.items()}
+    for name, rows in ROWS.items():
+        fresh = torch.tensor([0, 3, 64, 65, rows - 2])  # the unknown row (rows - 1) is never reset
+        by_path = []
+        for path in (host, {}):
+            for tensor, before in zip(tensors[name], trained[name], strict=True):
+                tensor.copy_(before)
+            resetter.on_host = path
+            resetter.reset(name, fresh, step=1_000_003)
+            by_path.append([t.clone() for t in tensors[name]])
+        assert all(torch.equal(a, b) for a, b in zip(*by_path, strict=True)), name
+        assert any(not torch.equal(a, b) for a, b in zip(by_path[0], trained[name], strict=True)), name
+
+
+def test_a_trainer_mapping_ahead_trains_every_batch_once_its_lookahead_of_empty_batches_follows():
+    """Mapped one batch ahead, a paused stream needs one empty step more than the pipeline alone to
+    train the real batches it holds (``Trainer.lookahead``, which the lockstep's flush counts)."""
+    raw = managed_raw()
+    raw["batching"] = {**raw.get("batching", {}), "map_ahead": True}
+    config = parse_config(raw, environ={})
+    trainer = Trainer(config, init_distributed())
+    assert trainer.id_space is not None and trainer.map_ahead and trainer.lookahead == 3
+    decoder = AvroBatchDecoder(config.features)
+    real = rank_batches(decoder, 0, 1, global_batches(3))
+    results: list = []
+    trained_when_the_stream_paused: list[int] = []
+
+    def paused_stream():
+        yield from real
+        yield from [decoder.decode([]).batch.in_global_step(0, 1)] * trainer.lookahead
+        trained_when_the_stream_paused.append(len(results))
+
+    for result in trainer.train(paused_stream()):
+        results.append(result)
+    assert trained_when_the_stream_paused == [len(real)]
+    assert [r.batch.size for r in results[: len(real)]] == [b.size for b in real]
+
+
+def local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """This rank's part of every tensor of ``model``'s state, cloned."""
+    out = {}
+    for key, value in model.state_dict().items():
+        local = value.to_local() if hasattr(value, "to_local") else value
+        shards = [getattr(s, "tensor", s) for s in local.local_shards()] if hasattr(local, "local_shards") else [local]
+        out[key] = torch.cat([t.reshape(-1) for t in shards]).clone() if shards else torch.zeros(0)
+    return out
+
+
+def _ahead_rank(rank: int, world_size: int, port: int, out: str) -> None:
+    """The same stream trained twice, the second time mapped one batch ahead on the id space's own
+    thread: per step, the rows of every batch and the cut (as snapshots and deltas read it)."""
+    join_as_spawned_rank(rank, world_size, port)
+    env = init_distributed()
+    runs = {}
+    for ahead in (False, True):
+        raw = managed_raw()
+        raw["batching"] = {**raw.get("batching", {}), "map_ahead": ahead}
+        config = parse_config(raw, environ={})
+        trainer = Trainer(config, env)
+        id_space = trainer.id_space
+        assert id_space is not None
+        batches = rank_batches(AvroBatchDecoder(config.features), rank, world_size, global_batches())
+        run: dict = {"rows": [], "cuts": [], "delta_cut": [], "mapper_ran": False, "lookahead": trainer.lookahead}
+        for result in trainer.train(iter(batches)):
+            run["rows"].append({name: result.batch.sparse_features[name].values().clone() for name in ROWS})
+            # between two steps, as the worker reads them, while the mapper may be mapping the next batch
+            cut = id_space.state_dict()
+            run["cuts"].append(cut)
+            for name in ROWS:
+                rows, raw_ids = id_space.raw_ids(name)
+                table = next(t for t in config.features.tables if t.name == name)
+                run["delta_cut"].append(
+                    id_space.step == result.step
+                    and set(zip(rows.tolist(), raw_ids.tolist(), strict=True)) == live_pairs(table, cut[name])
+                )
+            run["mapper_ran"] |= any(t.name.startswith(IDAHEAD) for t in threading.enumerate())
+        run["model"] = local_state(trainer.model)
+        runs[ahead] = run
+    torch.save(runs, f"{out}/rank{rank}.pt")
+    leave_spawned_rank()
+
+
+def live_pairs(table: TableConfig, buckets: dict[str, dict[str, torch.Tensor]]) -> set[tuple[int, int]]:
+    """(row, raw id) of each live row in a rank's buckets of a table's map."""
+    pairs = set()
+    for key, part in buckets.items():
+        first = bucket_start(table, int(key.removeprefix("bucket")))
+        pairs |= {(first + r, int(part["ids"][r])) for r in part["in_use"].nonzero().flatten().tolist()}
+    return pairs
+
+
+def test_mapped_one_batch_ahead_on_a_thread_the_ranks_train_alike_and_each_cut_is_the_trained_batches_map(
+    tmp_path,
+):
+    """With map_ahead, batch N+1 is mapped on the id space's thread while N trains. The rows of
+    every batch, the fresh rows' resets and so the trained model are those of the run without it,
+    bit for bit; and between two steps the snapshot's cut and the delta's (rows, raw ids, step) are
+    one map, that of exactly the trained batches, whatever the mapper is doing meanwhile."""
+    mp.spawn(_ahead_rank, args=(2, free_port(), str(tmp_path)), nprocs=2)
+    results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    steps = global_batches()
+    for by_mode in results:
+        plain, ahead = by_mode[False], by_mode[True]
+        assert not plain["mapper_ran"] and ahead["mapper_ran"] and ahead["lookahead"] == plain["lookahead"] + 1
+        assert len(ahead["rows"]) == len(plain["rows"]) == len(steps)
+        for ours, theirs in zip(ahead["rows"], plain["rows"], strict=True):
+            assert all(torch.equal(ours[name], theirs[name]) for name in ROWS)
+        assert ahead["model"].keys() == plain["model"].keys()
+        assert all(torch.equal(ahead["model"][k], plain["model"][k]) for k in plain["model"]), "training differed"
+        assert all(ahead["delta_cut"]), "a delta's cut read another map than the snapshot's"
+    for at in range(len(steps)):
+        cut = merged([by_mode[True]["cuts"][at] for by_mode in results])
+        assert_same_state(cut, oracle(steps[: at + 1]))
 
 
 def merged(states: list[dict]) -> dict:

@@ -116,6 +116,21 @@ def test_a_quiet_stream_is_flushed_by_two_empty_steps_after_the_wait_then_idles(
     assert all(b.global_batch_size == 0 and float(b.loss_scale) == 1.0 for b in stepped[1:])
 
 
+def test_a_quiet_stream_is_flushed_by_as_many_empty_steps_as_the_trainer_holds_ahead():
+    # A trainer mapping managed ids one batch ahead holds batch i+3 before it trains batch i.
+    clock = FakeClock()
+    steps = Lockstep(
+        FakeQueue([click_batch(3), *[None] * 20], clock),
+        lambda: click_batch(0),
+        world_size=1,
+        group=None,
+        flush_after_seconds=FLUSH_AFTER,
+        clock=clock,
+        lookahead=3,
+    )
+    assert [b.size for b in steps] == [3, 0, 0, 0]
+
+
 def test_no_flush_before_max_batch_wait():
     clock = FakeClock()
     queue = FakeQueue([click_batch(3), None], clock)  # one idle wait of 0.005 s, far below FLUSH_AFTER
