@@ -230,7 +230,10 @@ def test_a_sender_behind_its_rate_stamps_events_with_the_time_it_sends_them(kafk
     ]
     assert after_ms - before_ms > 2_000  # the sender was behind: this test means something
     assert before_ms - 1_000 <= min(times) and max(times) <= after_ms
-    assert max(times) - min(times) >= (after_ms - before_ms) - 2_500  # the times kept up with the sends
+    # The times kept up with the sends: they span at least half the sending, where paced from the
+    # start alone they would span 20 ms. Half, not all less a margin: on a loaded host the start
+    # (imports, the producer's connection) and the final flush take seconds no event is stamped in.
+    assert max(times) - min(times) >= (after_ms - before_ms) / 2
     assert any("event times follow the sends" in line for line in said)
 
 

@@ -396,9 +396,18 @@ class StreamWriter:
         self.valid = report.produced
 
     def _write_malformed(self, bootstrap_servers: str, topic: str, partitions: int, count: int, rate: float) -> None:
-        from confluent_kafka import Producer
+        from confluent_kafka import KafkaError, KafkaException, Producer
 
-        producer = Producer({"bootstrap.servers": bootstrap_servers, "enable.idempotence": True, "linger.ms": 5})
+        # Partitions added to the topic reach a fresh producer's metadata a moment later: refreshed
+        # each second, and a send to one it does not know yet waits for the refresh.
+        producer = Producer(
+            {
+                "bootstrap.servers": bootstrap_servers,
+                "enable.idempotence": True,
+                "linger.ms": 5,
+                "topic.metadata.refresh.interval.ms": 1000,
+            }
+        )
         failures: list[str] = []
 
         def delivered(error: Any, _message: Any) -> None:
@@ -408,12 +417,17 @@ class StreamWriter:
         sent = 0
         started = time.monotonic()
         while sent < count and not self.stopping.wait(max(started + sent / rate - time.monotonic(), 0.0)):
-            producer.produce(
-                topic,
-                MALFORMED[sent % len(MALFORMED)],
-                partition=sent % partitions,
-                on_delivery=delivered,
-            )
+            unknown_since = time.monotonic()
+            while True:
+                try:
+                    producer.produce(
+                        topic, MALFORMED[sent % len(MALFORMED)], partition=sent % partitions, on_delivery=delivered
+                    )
+                    break
+                except KafkaException as error:
+                    if error.args[0].code() != KafkaError._UNKNOWN_PARTITION or time.monotonic() - unknown_since > 60:
+                        raise
+                    producer.poll(0.2)
             producer.poll(0)
             sent += 1
         if producer.flush(120) or failures:
