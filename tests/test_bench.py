@@ -361,6 +361,20 @@ def test_report_renders_markdown_and_plots_from_results(tmp_path):
     }
 
 
+def test_report_soak_figure_judges_exactly_once_and_staleness_against_their_goals():
+    from streamtrain.bench.report import FIGURES
+
+    (figure,) = [f for f in FIGURES if f.benchmark == "soak"]
+    run = {"lost": 0, "duplicated": 0, "max_stale_seconds": 9.78, "faults": {"broker": 7, "rank": 5}, "minutes": 20.0}
+    assert figure.read(run) == (
+        "**0** lost, **0** trained twice (goal 0: met); serve stale **9.8 s** at most (goal ≤ 10 s: met); "
+        "12 faults in 20 minutes"
+    )
+    assert "(goal 0: missed)" in figure.read(run | {"duplicated": 3})
+    assert "(goal ≤ 10 s: missed)" in figure.read(run | {"max_stale_seconds": 64.0})
+    assert figure.read({"benchmark": "soak", "quick": True}) is None  # a run that judged nothing
+
+
 def test_throughput_excludes_the_warm_up_and_counts_from_its_end_to_the_last_event():
     import numpy as np
 

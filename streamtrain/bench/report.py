@@ -192,6 +192,18 @@ def _delayed(r: dict) -> str | None:
     return "; ".join(parts)
 
 
+def _soak(r: dict) -> str | None:
+    if r.get("lost") is None or r.get("max_stale_seconds") is None:
+        return None
+    faults = sum(r["faults"].values())
+    exact = r["lost"] == 0 and r["duplicated"] == 0
+    stale = r["max_stale_seconds"]
+    return (
+        f"**{r['lost']:,}** lost, **{r['duplicated']:,}** trained twice {_goal('goal 0', exact)}; serve stale "
+        f"**{stale:.1f} s** at most {_goal('goal ≤ 10 s', stale <= 10)}; {faults} faults in {r['minutes']:g} minutes"
+    )
+
+
 def _memory(r: dict) -> str | None:
     growth = r.get("growth_after_warm_up")
     return None if growth is None else f"**{100 * growth:.1f}%** {_goal('goal < 10%', growth < 0.1)}"
@@ -289,6 +301,12 @@ FIGURES = [
         "delayed",
         _ratio("throughput_ratio", "goal ≥ 0.95", 0.95),
         "benchmarks.md#bench-delayed",
+    ),
+    Figure(
+        "3 Kafka nodes, worker and serve under random broker, rank and serve faults",
+        "soak",
+        _soak,
+        "benchmarks.md#bench-soak",
     ),
     Figure(
         "worker RSS growth after the warm-up, a backlog waiting in Kafka",
