@@ -6,6 +6,7 @@ import re
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -359,6 +360,32 @@ def test_report_renders_markdown_and_plots_from_results(tmp_path):
         "memory_rss.png",
         "freshness_cdf.png",
     }
+
+
+@pytest.mark.integration
+def test_naive_ranks_whose_port_was_taken_start_again_not_wait_for_the_timeout(kafka, topic_name, monkeypatch):
+    """Rank 0 of the naive loop cannot bind a port another socket holds, and rank 1 would wait
+    for it until the process group's timeout: the leg stops both at once and starts again on a
+    port that is free."""
+    import socket
+
+    import streamtrain.dev.kafka
+    from streamtrain.bench.e2e import naive_leg
+    from streamtrain.dev.produce import produce
+
+    produce(kafka.bootstrap_servers, topic_name, 4_000, partitions=4, schema_path=REPO / "schemas/click_event.avsc")
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real_free_port = streamtrain.dev.kafka.free_port
+    monkeypatch.setattr(streamtrain.dev.kafka, "free_port", lambda: next(ports, None) or real_free_port())
+    started = time.monotonic()
+    with taken:
+        leg = naive_leg(SMALL_CONFIG, kafka.bootstrap_servers, topic_name, warm_up=0.0, timeout=240)
+    assert next(ports, None) is None  # the taken port was handed out, and another after it
+    assert leg["events"] > 0 and len(leg["log"]) == 2
+    assert time.monotonic() - started < 180  # not the rank's wait for a peer that had died
 
 
 def test_report_soak_figure_judges_exactly_once_and_staleness_against_their_goals():

@@ -315,34 +315,54 @@ def naive_leg(
     profile: bool = False,
     broker_pid: int | None = None,
 ) -> dict:
+    """The naive loop on ``WORLD_SIZE`` ranks. Started again, once, when a rank finds the
+    rendezvous port it was given taken: a port found free can be another connection's
+    ephemeral port a moment later on a busy host."""
+    try:
+        return _naive_ranks(config, bootstrap, topic, warm_up, timeout, profile, broker_pid)
+    except _PortTaken:
+        return _naive_ranks(config, bootstrap, topic, warm_up, timeout, profile, broker_pid)
+
+
+class _PortTaken(RuntimeError):
+    pass
+
+
+def _naive_ranks(
+    config: Path, bootstrap: str, topic: str, warm_up: float, timeout: float, profile: bool, broker_pid: int | None
+) -> dict:
     from streamtrain.dev.kafka import free_port
 
-    with tempfile.TemporaryDirectory(prefix="streamtrain-naive-") as folder:
-        record, port, started = Path(folder) / "record", free_port(), time.time()
-        ranks = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "streamtrain.bench.naive",
-                    "--config",
-                    str(config),
-                    "--bootstrap-servers",
-                    bootstrap,
-                    "--topic",
-                    topic,
-                    "--record",
-                    str(record),
-                ],
-                cwd=CHECKOUT,
-                env={**os.environ, **local_rank_env(rank, WORLD_SIZE, port)},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-            for rank in range(WORLD_SIZE)
-        ]
-        outputs, samplers = [], []
+    with tempfile.TemporaryDirectory(prefix="streamtrain-naive-") as scratch:
+        folder = Path(scratch)
+        record, port, started = folder / "record", free_port(), time.time()
+        logs = [folder / f"rank-{rank}.log" for rank in range(WORLD_SIZE)]
+        ranks = []
+        for number, log in enumerate(logs):
+            with log.open("w") as output:  # a file, not a pipe: the ranks are waited on together
+                ranks.append(
+                    subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-m",
+                            "streamtrain.bench.naive",
+                            "--config",
+                            str(config),
+                            "--bootstrap-servers",
+                            bootstrap,
+                            "--topic",
+                            topic,
+                            "--record",
+                            str(record),
+                        ],
+                        cwd=CHECKOUT,
+                        env={**os.environ, **local_rank_env(number, WORLD_SIZE, port)},
+                        stdout=output,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                    )
+                )
+        samplers = []
         cpu = CpuSampler(lambda: [rank.pid for rank in ranks], broker_pid)
         try:
             with cpu:
@@ -354,17 +374,26 @@ def naive_leg(
                         time.sleep(0.1)
                     time.sleep(warm_up)
                     samplers = _sample([rank.pid for rank in ranks], "naive")
-                for rank in ranks:
-                    outputs.append(rank.communicate(timeout=max(timeout - (time.time() - started), 1))[0])
+                # A rank that fails leaves its peers waiting in a collective until the process
+                # group's timeout: stop waiting as soon as one has failed.
+                deadline = started + timeout
+                while any(rank.poll() is None for rank in ranks) and time.time() < deadline:
+                    if any(rank.poll() for rank in ranks):
+                        break
+                    time.sleep(0.2)
         finally:
             for rank in ranks:
                 if rank.poll() is None:
                     rank.send_signal(signal.SIGKILL)
                     rank.wait(10)
             _stop(samplers)
+        outputs = [log.read_text(errors="replace") for log in logs]
         if any(rank.returncode for rank in ranks):
             codes = ", ".join(f"rank {r} exited with {rank.returncode}" for r, rank in enumerate(ranks))
-            raise RuntimeError(f"the naive baseline failed ({codes}):\n" + "\n".join(o[-3000:] for o in outputs))
+            failure = RuntimeError
+            if any("EADDRINUSE" in output for output in outputs):
+                failure = _PortTaken
+            raise failure(f"the naive baseline failed ({codes}):\n" + "\n".join(o[-3000:] for o in outputs))
         data = RunRecord.load(record)
         result = {**data.window(warm_up), "cpu": _window_cpu(cpu, data.step_wall, data.step_events, warm_up)}
     return {
