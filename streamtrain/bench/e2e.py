@@ -59,6 +59,7 @@ from streamtrain.bench.common import (
     worker_device,
 )
 from streamtrain.bench.cpu import GROUPS, CpuSampler, cpu_per_event, descendants, loadavg
+from streamtrain.bench.ranks import PortTaken, wait_together
 from streamtrain.bench.record import RunRecord
 from streamtrain.dev import CHECKOUT
 
@@ -315,17 +316,11 @@ def naive_leg(
     profile: bool = False,
     broker_pid: int | None = None,
 ) -> dict:
-    """The naive loop on ``WORLD_SIZE`` ranks. Started again, once, when a rank finds the
-    rendezvous port it was given taken: a port found free can be another connection's
-    ephemeral port a moment later on a busy host."""
+    """The naive loop on ``WORLD_SIZE`` ranks, started again once if a rank found its port taken."""
     try:
         return _naive_ranks(config, bootstrap, topic, warm_up, timeout, profile, broker_pid)
-    except _PortTaken:
+    except PortTaken:
         return _naive_ranks(config, bootstrap, topic, warm_up, timeout, profile, broker_pid)
-
-
-class _PortTaken(RuntimeError):
-    pass
 
 
 def _naive_ranks(
@@ -336,6 +331,7 @@ def _naive_ranks(
     with tempfile.TemporaryDirectory(prefix="streamtrain-naive-") as scratch:
         folder = Path(scratch)
         record, port, started = folder / "record", free_port(), time.time()
+        deadline = time.monotonic() + timeout
         logs = [folder / f"rank-{rank}.log" for rank in range(WORLD_SIZE)]
         ranks = []
         for number, log in enumerate(logs):
@@ -367,20 +363,14 @@ def _naive_ranks(
         try:
             with cpu:
                 if profile:
-                    deadline = time.monotonic() + 300
+                    profile_deadline = time.monotonic() + 300
                     while not all((record / f"rank-{r}.started").exists() for r in range(WORLD_SIZE)):
-                        if time.monotonic() > deadline or any(rank.poll() is not None for rank in ranks):
+                        if time.monotonic() > profile_deadline or any(rank.poll() is not None for rank in ranks):
                             break
                         time.sleep(0.1)
                     time.sleep(warm_up)
                     samplers = _sample([rank.pid for rank in ranks], "naive")
-                # A rank that fails leaves its peers waiting in a collective until the process
-                # group's timeout: stop waiting as soon as one has failed.
-                deadline = started + timeout
-                while any(rank.poll() is None for rank in ranks) and time.time() < deadline:
-                    if any(rank.poll() for rank in ranks):
-                        break
-                    time.sleep(0.2)
+                wait_together(ranks, deadline, "the naive baseline")
         finally:
             for rank in ranks:
                 if rank.poll() is None:
@@ -390,9 +380,7 @@ def _naive_ranks(
         outputs = [log.read_text(errors="replace") for log in logs]
         if any(rank.returncode for rank in ranks):
             codes = ", ".join(f"rank {r} exited with {rank.returncode}" for r, rank in enumerate(ranks))
-            failure = RuntimeError
-            if any("EADDRINUSE" in output for output in outputs):
-                failure = _PortTaken
+            failure = PortTaken if any("EADDRINUSE" in output for output in outputs) else RuntimeError
             raise failure(f"the naive baseline failed ({codes}):\n" + "\n".join(o[-3000:] for o in outputs))
         data = RunRecord.load(record)
         result = {**data.window(warm_up), "cpu": _window_cpu(cpu, data.step_wall, data.step_events, warm_up)}

@@ -17,6 +17,30 @@ from streamtrain.bench.common import local_rank_env
 from streamtrain.dev import CHECKOUT
 
 
+class PortTaken(RuntimeError):
+    """A rank found the rendezvous port it was given taken: a port found free can be another
+    connection's ephemeral port a moment later on a busy host. Starting again takes another."""
+
+
+def wait_together(processes: list[subprocess.Popen], deadline: float, what: str) -> None:
+    """Waits until every rank has exited, or one has failed, whose peers would otherwise wait for
+    it in a collective until the process group's timeout; then kills any still running.
+    RuntimeError past ``deadline`` (``time.monotonic()``)."""
+    try:
+        while any(p.poll() is None for p in processes):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not finish in time")
+            if any(p.poll() not in (None, 0) for p in processes):
+                time.sleep(2.0)  # let the peers fail too, then report
+                break
+            time.sleep(0.2)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait(10)
+
+
 def run_ranks(
     target: str,
     kwargs: dict,
@@ -24,7 +48,17 @@ def run_ranks(
     timeout: float = 600.0,
     started: Callable[[list[int]], None] = lambda pids: None,
 ) -> list[dict]:
-    """``started`` is handed the ranks' process ids once they are all started."""
+    """``started`` is handed the ranks' process ids once they are all started (again, if they
+    are started again on another port)."""
+    try:
+        return _run_ranks_once(target, kwargs, world_size, timeout, started)
+    except PortTaken:
+        return _run_ranks_once(target, kwargs, world_size, timeout, started)
+
+
+def _run_ranks_once(
+    target: str, kwargs: dict, world_size: int, timeout: float, started: Callable[[list[int]], None]
+) -> list[dict]:
     from streamtrain.dev.kafka import free_port
 
     with tempfile.TemporaryDirectory(prefix="streamtrain-ranks-") as folder:
@@ -52,26 +86,16 @@ def run_ranks(
                 )
             )
         started([p.pid for _log, p in processes])
-        deadline = time.monotonic() + timeout
         try:
-            while any(p.poll() is None for _log, p in processes):
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{target} did not finish within {timeout:.0f}s")
-                if any(p.poll() not in (None, 0) for _log, p in processes):
-                    time.sleep(2.0)  # let the peers fail too, then report
-                    break
-                time.sleep(0.2)
+            wait_together([p for _log, p in processes], time.monotonic() + timeout, target)
         finally:
-            for log, process in processes:
-                if process.poll() is None:
-                    process.kill()
-                    process.wait(10)
+            for log, _process in processes:
                 log.close()
         failed = [rank for rank, (_log, p) in enumerate(processes) if p.returncode != 0]
         if failed:
-            text = (Path(folder) / f"rank-{failed[0]}.log").read_text(errors="replace")
-            raise RuntimeError(
-                f"{target}: rank {failed[0]} exited with {processes[failed[0]][1].returncode}:\n{text[-4000:]}"
+            logs = [(Path(folder) / f"rank-{rank}.log").read_text(errors="replace") for rank in failed]
+            raise (PortTaken if any("EADDRINUSE" in log for log in logs) else RuntimeError)(
+                f"{target}: rank {failed[0]} exited with {processes[failed[0]][1].returncode}:\n{logs[0][-4000:]}"
             )
         return [json.loads((Path(folder) / f"rank-{rank}.json").read_text()) for rank in range(world_size)]
 
