@@ -678,12 +678,13 @@ class TaskConfig(_Strict):
         description="With delayed_labels: how long after its impression a positive still counts. A label sample "
         "arriving later is not a positive (ignored and counted); the task's matured metrics wait this long.",
     )
-    correction: Literal["none", "fnw", "fnc", "es_dfm"] = Field(
+    correction: Literal["none", "fnw", "fnc", "es_dfm", "pu"] = Field(
         default="none",
         description="With delayed_labels: how training corrects for positives that arrive after their impression "
         "was trained as a negative (docs/delayed-labels.md). none: as they come (fake negatives bias the model "
         "down); fnw: fake negative weighting; fnc: fake negative calibration (served as b / (1 - b)); es_dfm: "
-        "importance weights with the share of positives that arrive late, estimated online.",
+        "importance weights with the share of positives that arrive late, estimated online; pu: a late positive "
+        "takes back the fake negative its impression was trained as.",
     )
 
 

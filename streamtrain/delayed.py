@@ -21,6 +21,10 @@ what is done about it:
   label arrives after their impression's emission, is estimated online (``LateShare``), taken as
   independent of the features. With s = 1 it is fnw; it differs where a joiner emits some
   positives on their impression (a positive known at once, or a joiner that waits a while).
+- ``pu``, the positive-unlabeled loss (Ktena et al., RecSys 2019, after du Plessis et al.): an
+  impression is trained as it comes, and its late positive takes back the fake negative it was
+  trained as, log(1 - f(x)), beside its own log f(x): once every label has arrived the summed loss
+  is the one the final labels give. Its gradient is a constant -1 in the logit, so it stays bounded.
 
 A plain event (no kind) keeps its weight of 1 under every correction: its labels are final.
 ``LateShare`` is part of the training state (it is in every snapshot, by partition).
@@ -80,14 +84,17 @@ class Corrections(nn.Module):
         self.register_buffer("weighted", torch.tensor(weighted, device=device), persistent=False)
         estimated = [t.correction == "es_dfm" for t in tasks]
         self.register_buffer("estimated", torch.tensor(estimated, device=device), persistent=False)
-        self.any_weighted = any(weighted)
+        retracting = [t.correction == "pu" for t in tasks]
+        self.register_buffer("retracting", torch.tensor(retracting, device=device), persistent=False)
+        self.any_weighted = any(weighted) or any(retracting)
 
     def weights(
         self, logits: torch.Tensor, kind: torch.Tensor, late_share: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(positive weight, negative weight), each shaped as ``logits``: what a sample's positive and
-        negative parts of the cross-entropy are multiplied by. 1 for plain events and tasks weighted by
-        neither fnw nor es_dfm; ``late_share`` [tasks] is es_dfm's s (None: 1)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positive weight, negative weight, retracted), each shaped as ``logits``: what a sample's
+        positive and negative parts of the cross-entropy are multiplied by (1 for plain events and
+        tasks weighted by neither fnw nor es_dfm; ``late_share`` [tasks] is es_dfm's s, None: 1), and
+        how much of a negative a positive takes back (1 on a pu task's late label, else 0)."""
         z = logits.detach().reshape(logits.shape[0], len(self.calibrated))  # an empty batch's too
         p = torch.sigmoid(z)
         delayed_positive = p if late_share is None else p * torch.where(self.estimated, late_share, 1.0)
@@ -98,9 +105,11 @@ class Corrections(nn.Module):
         negative = positive * real_negative
         corrected = self.weighted & (kind != ap.PLAIN).unsqueeze(1)
         one = torch.ones_like(p)
+        late = self.retracting & (kind == ap.LATE_LABEL).unsqueeze(1)
         return (
             torch.where(corrected, positive, one).reshape(logits.shape),
             torch.where(corrected, negative, one).reshape(logits.shape),
+            late.to(p.dtype).reshape(logits.shape),
         )
 
     def served(self, logits: torch.Tensor) -> torch.Tensor:

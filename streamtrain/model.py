@@ -25,16 +25,21 @@ torch.fx.wrap("match_counts")
 def task_losses(
     logits: torch.Tensor,
     labels: torch.Tensor,
-    weights: tuple[torch.Tensor, torch.Tensor] | None = None,
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Each event's binary cross-entropy per task (a NaN label as 0: the caller masks it). With
-    ``weights`` (positive, negative), the positive part y log(sigmoid(z)) and the negative part
-    (1 - y) log(1 - sigmoid(z)) are weighted apart, as importance-weighted corrections need."""
+    ``weights`` (positive, negative, retracted), the positive part y log(sigmoid(z)) and the negative
+    part (1 - y) log(1 - sigmoid(z)) are weighted apart, as importance-weighted corrections need, and
+    a positive takes back ``retracted`` times the negative it was trained as before (pu)."""
     targets = labels.nan_to_num(0.0)
     if weights is None:
         return F.binary_cross_entropy_with_logits(logits, targets, reduction="none")
-    positive, negative = weights
-    return positive * targets * F.softplus(-logits) + negative * (1 - targets) * F.softplus(logits)
+    positive, negative, retracted = weights
+    negative_part = F.softplus(logits)
+    return (
+        targets * (positive * F.softplus(-logits) - retracted * negative_part)
+        + negative * (1 - targets) * negative_part
+    )
 
 
 def net_logits(

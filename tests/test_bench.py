@@ -573,16 +573,19 @@ def test_datapath_benchmark_reports_each_thread_counts_rate_the_scaling_and_a_pr
 
 def test_delayed_benchmark_trains_every_leg_on_one_stream_and_scores_each_tasks_holdout():
     saved, printed = _run_bench("delayed", "--quick", "--config", str(SMALL_CONFIG))
-    legs = {"oracle", "window", "naive", "fnw", "fnc", "es_dfm"}
+    legs = {"oracle", "window", "bound", "naive", "fnw", "fnc", "es_dfm", "pu"}
     for task in ("clk", "buy"):
         assert set(saved["tasks"][task]) == legs
         for figures in saved["tasks"][task].values():
             assert 0.5 < figures["holdout_auc"] <= 1 and figures["ne"] > 0 and figures["calibration"] > 0
-        assert saved["goals"][task]["best_correction"] in ("fnw", "fnc", "es_dfm")
+        assert saved["goals"][task]["best_correction"] in ("fnw", "fnc", "es_dfm", "pu")
+        bound = saved["tasks"][task]["bound"]["holdout_auc"]
+        assert saved["goals"][task]["oracle_minus_bound_auc"] == saved["tasks"][task]["oracle"]["holdout_auc"] - bound
         # with every label late (the reference joiner), es_dfm's share is 1: it is fnw
         assert saved["tasks"][task]["es_dfm"] == saved["tasks"][task]["fnw"]
     assert saved["stream"]["late_labels"] > 0 and saved["stream"]["samples"] == 6_000 + saved["stream"]["late_labels"]
     assert saved["evaluated_after"] == [4_000, 6_000] and set(saved["final_holdout"]["clk"]) == legs
-    assert set(saved["throughput"]) == {"fnw", "fnc", "es_dfm"} and saved["throughput_ratio"] > 0
+    assert set(saved["throughput"]) == {"fnw", "fnc", "es_dfm", "pu"} and saved["throughput_ratio"] > 0
     assert saved["throughput_ratio"] == min(t["ratio"] for t in saved["throughput"].values())
     assert "best correction" in printed and "training throughput over naive's" in printed
+    assert "the delay's own cost (bound)" in printed

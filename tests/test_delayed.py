@@ -15,6 +15,7 @@ import fastavro
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 import yaml
 
 from conftest import REPO
@@ -121,7 +122,7 @@ BAD_CONFIGS = {
     ),
     "an unknown correction": (
         lambda raw, tmp: raw["model"]["tasks"][0].update(correction="defer"),
-        r"model\.tasks\.0\.correction: Input should be 'none', 'fnw', 'fnc' or 'es_dfm'",
+        r"model\.tasks\.0\.correction: Input should be 'none', 'fnw', 'fnc', 'es_dfm' or 'pu'",
     ),
     "a field the schema lacks": (
         lambda raw, tmp: raw["delayed_labels"].update(impression_id_field="impression"),
@@ -270,7 +271,7 @@ def test_delayed_fnw_weighs_positives_by_one_plus_p_and_negatives_by_one_minus_p
     assert fnw[0, 0].item() == pytest.approx(1.75 * math.log(4 / 3), rel=1e-6)
     assert fnw[1, 0].item() == pytest.approx(0.25 * 1.75 * math.log(4), rel=1e-6)
     # a rank's empty batch (the lockstep's filler) is weighed too
-    assert [w.shape for w in corrections.weights(torch.zeros(0, 2), kind[:0], torch.ones(2))] == [(0, 2), (0, 2)]
+    assert [w.shape for w in corrections.weights(torch.zeros(0, 2), kind[:0], torch.ones(2))] == [(0, 2)] * 3
     assert served_logits(torch.zeros(0), (True,)).shape == (0,)
 
 
@@ -290,8 +291,36 @@ def test_delayed_es_dfm_weighs_by_the_delayed_positive_probability_p_times_the_l
     assert all(torch.equal(a[:, 1], b[:, 1]) for a, b in zip(fnw, es_dfm, strict=True))
     # p = 1 with no late positives: a negative's weight is 0, not NaN
     sure = torch.full((1, 2), 100.0)
-    _positive, negative = corrections.weights(sure, kind[1:], torch.zeros(2))
+    _positive, negative, _retracted = corrections.weights(sure, kind[1:], torch.zeros(2))
     assert negative[0, 1].item() == 0.0
+
+
+def test_delayed_pu_takes_back_the_fake_negative_with_the_late_positive():
+    corrections = _corrections("pu", "none")
+    logits = torch.tensor([[0.7, 0.7], [0.7, 0.7], [0.7, 0.7], [0.7, 0.7]], requires_grad=True)
+    labels = torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [1.0, 1.0]])
+    kind = torch.tensor([ap.LATE_LABEL, ap.IMPRESSION, ap.IMPRESSION, ap.PLAIN], dtype=torch.int8)
+    losses = task_losses(logits, labels, corrections.weights(logits, kind, None))
+    z = torch.tensor(0.7)
+    positive, negative = F.softplus(-z), F.softplus(z)
+    # a late positive: its own log loss less the negative its impression was trained as, -z
+    torch.testing.assert_close(losses[0, 0], positive - negative)
+    torch.testing.assert_close(losses[0, 0], -z)
+    # an impression, a positive known when it was emitted, a plain event: as none
+    torch.testing.assert_close(losses[1:, 0], torch.stack([negative, positive, positive]))
+    torch.testing.assert_close(
+        losses[:, 1], F.binary_cross_entropy_with_logits(logits[:, 1], labels[:, 1], reduction="none")
+    )
+    # bounded: the late positive's gradient is -1 in the logit however sure the model is
+    losses[0, 0].backward()
+    assert logits.grad[0, 0].item() == pytest.approx(-1.0)
+    # the impression and its late positive together give the final label's loss
+    pair = task_losses(
+        torch.full((2, 2), 0.7),
+        torch.tensor([[0.0, 0.0], [1.0, float("nan")]]),
+        corrections.weights(torch.full((2, 2), 0.7), kind[[1, 0]], None),
+    )
+    torch.testing.assert_close(pair[:, 0].sum(), positive)
 
 
 def test_delayed_fnc_serves_b_over_one_minus_b_and_trains_as_none():
@@ -448,8 +477,8 @@ def test_delayed_matured_quality_holds_at_most_max_pending_and_counts_what_it_dr
 
 # --- every built-in model and head ---------------------------------------------------------------
 
-# Each head sees each correction on one task or the other across the models.
-HEAD_CORRECTIONS = {"shared_bottom": ("fnw", "es_dfm"), "mmoe": ("es_dfm", "fnc"), "dbmtl": ("fnc", "fnw")}
+# Each correction trains under every built-in model, on one task or the other of one head or two.
+HEAD_CORRECTIONS = {"shared_bottom": ("fnw", "pu"), "mmoe": ("es_dfm", "fnc"), "dbmtl": ("pu", "fnw")}
 
 
 @pytest.mark.parametrize("multitask", list(HEAD_CORRECTIONS))

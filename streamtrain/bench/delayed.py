@@ -10,8 +10,12 @@ buy as tasks (docs/delayed-labels.md):
 - oracle: every impression with its final labels at once, an upper bound no platform has;
 - window: every impression with its final labels once the longest attribution window has passed
   (a joiner that waits, so that each sample carries both tasks' final labels);
+- bound: every impression once with its final labels when its last positive's label arrives, a
+  negative at once: what a learner of arrived labels could do at best, knowing besides which
+  impressions stay negative. Its gap to the oracle is what the delay itself costs, which no
+  correction wins back;
 - naive: the joiner's samples (impressions at once, positives later as label samples), correction none;
-- fnw, fnc, es_dfm: the same samples under each correction.
+- fnw, fnc, es_dfm, pu: the same samples under each correction.
 
 The legs train segment by segment of the stream, so that a load change on a shared machine
 hits all of them; within a segment the joiner's legs take rounds of 4 batches, the order
@@ -51,9 +55,10 @@ if TYPE_CHECKING:
     from streamtrain.dev.drift import Drift
     from streamtrain.train import Trainer
 
-CORRECTIONS = ("fnw", "fnc", "es_dfm")
+CORRECTIONS = ("fnw", "fnc", "es_dfm", "pu")
 JOINED_LEGS = ("naive", *CORRECTIONS)
-LEGS = ("oracle", "window", *JOINED_LEGS)
+PLAIN_LEGS = ("oracle", "window", "bound")  # final labels, each at its own time
+LEGS = (*PLAIN_LEGS, *JOINED_LEGS)
 # Batches each of the joiner's legs trains in a round of the throughput's comparison.
 ROUND_BATCHES = 4
 TASKS = ("clk", "buy")
@@ -159,7 +164,7 @@ def leg_configs(config_path: Path, delays: Delays) -> dict[str, WorkerConfig]:
     for leg in LEGS:
         leg_raw = copy.deepcopy(raw)
         correction = leg if leg in CORRECTIONS else "none"
-        joined = leg not in ("oracle", "window")
+        joined = leg not in PLAIN_LEGS
         leg_raw["model"]["tasks"] = [
             {"name": task, "label": task}
             | ({"attribution_window_seconds": windows[task], "correction": correction} if joined else {})
@@ -173,13 +178,14 @@ def leg_configs(config_path: Path, delays: Delays) -> dict[str, WorkerConfig]:
 
 @dataclass
 class _Planted:
-    """The three streams the legs train, as (emission position, payload), and the impressions the
+    """The four streams the legs train, as (emission position, payload), and the impressions the
     holdouts are cut from (from ``scored_from`` on), each with its truth."""
 
     scored_from: int
     joined: list[tuple[float, bytes]] = field(default_factory=list)
     oracle: list[tuple[float, bytes]] = field(default_factory=list)
     window: list[tuple[float, bytes]] = field(default_factory=list)
+    bound: list[tuple[float, bytes]] = field(default_factory=list)
     scored: list[bytes] = field(default_factory=list)  # plain, with final labels
     final: dict[str, list[int]] = field(default_factory=lambda: {t: [] for t in TASKS})
     planted: dict[str, list[float]] = field(default_factory=lambda: {t: [] for t in TASKS})
@@ -218,6 +224,10 @@ def plant(sizes: Sizes, seed: int, encoder: SampleEncoder) -> _Planted:
                 planted.oracle.append((position, plain(record)))
                 if position + wait < sizes.impressions:
                     planted.window.append((position + wait, plain(record)))
+                arrivals = [at for at in (chunk.clk_at[i], chunk.buy_at[i]) if at != np.inf]
+                known_at = max(arrivals, default=position)
+                if known_at < sizes.impressions:
+                    planted.bound.append((known_at, plain(record)))
                 for task in TASKS:
                     positives[task] += record[task]
             for i in np.flatnonzero(chunk.position >= planted.scored_from).tolist():
@@ -236,6 +246,7 @@ def plant(sizes: Sizes, seed: int, encoder: SampleEncoder) -> _Planted:
         planted.joined.append((sample.position, encoder.encode(sample.record)))
         planted.late_labels += sample.record["sample_kind"] == "label"
     planted.window.sort(key=lambda message: message[0])
+    planted.bound.sort(key=lambda message: message[0])
     planted.rates = {task: int(n) / sizes.impressions for task, n in positives.items()}
     return planted
 
@@ -273,9 +284,9 @@ def bench_delayed(config_path: Path, sizes: Sizes, seed: int, progress: Callable
     env = init_distributed(
         device=configs["naive"].distributed.device, threads=configs["naive"].distributed.intra_op_threads
     )
-    streams = {"oracle": planted.oracle, "window": planted.window, "joined": planted.joined}
+    streams = {"oracle": planted.oracle, "window": planted.window, "bound": planted.bound, "joined": planted.joined}
     legs = {
-        name: _Leg(configs[name], Trainer(configs[name], env), name if name in ("oracle", "window") else "joined")
+        name: _Leg(configs[name], Trainer(configs[name], env), name if name in PLAIN_LEGS else "joined")
         for name in LEGS
     }
     batch_size = configs["naive"].batching.batch_size
@@ -294,7 +305,7 @@ def bench_delayed(config_path: Path, sizes: Sizes, seed: int, progress: Callable
             for name, messages in streams.items()
         }
         timed = segment > 0 or sizes.segments == 1  # the first warms up numba's and TorchRec's first calls
-        for name in ("oracle", "window")[:: 1 if segment % 2 else -1]:
+        for name in PLAIN_LEGS[:: 1 if segment % 2 else -1]:
             _train(legs[name].trainer, batches[name])
         # The joiner's legs train the same batches in rounds, the order rotating: each round's times
         # are side by side, whatever the shared machine's load does from one round to the next.
@@ -432,6 +443,8 @@ def _goals(result: dict) -> dict:
             "met_by": [name for name in CORRECTIONS if met[name]],
             "oracle_minus_best_auc": oracle - legs[best]["holdout_auc"],
             "oracle_minus_window_auc": oracle - legs["window"]["holdout_auc"],
+            # what the delay itself costs: no correction of arrived labels is expected past it
+            "oracle_minus_bound_auc": oracle - legs["bound"]["holdout_auc"],
             "naive_calibration": legs["naive"]["calibration"],
             "naive_miscalibrated": legs["naive"]["calibration"] < NAIVE_MISCALIBRATED,
         }
@@ -470,6 +483,11 @@ def table(result: dict) -> str:
             f"(goal within {goals['auc_within']}, calibration in [{low}, {high}]): {met}; naive calibration "
             f"{g['naive_calibration']:.3f} ({below} {goals['naive_miscalibrated_below']}); window at oracle "
             f"{-g['oracle_minus_window_auc']:+.4f}"
+            + (
+                f"; the delay's own cost (bound) {-g['oracle_minus_bound_auc']:+.4f}"
+                if "oracle_minus_bound_auc" in g
+                else ""
+            )
         )
     shown = ", ".join(f"{name} {t['ratio']:.3f}" for name, t in result["throughput"].items())
     rounds = len(next(iter(result["throughput"].values()))["rounds"])
