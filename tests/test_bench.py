@@ -402,6 +402,22 @@ def test_report_soak_figure_judges_exactly_once_and_staleness_against_their_goal
     assert figure.read({"benchmark": "soak", "quick": True}) is None  # a run that judged nothing
 
 
+def test_report_delayed_figure_comes_from_the_reference_joiners_stream_not_a_waiting_joiners():
+    from streamtrain.bench.report import FIGURES
+
+    (figure,) = [f for f in FIGURES if f.benchmark == "delayed" and "best correction" in f.name]
+    legs = {"oracle": {"holdout_auc": 0.84}, "fnw": {"holdout_auc": 0.83, "calibration": 0.99}}
+    run = {
+        "goals": {"clk": {"best_correction": "fnw", "best_met": False}},
+        "tasks": {"clk": legs},
+        "stream": {"delays_events": {"wait": 0.0}},
+    }
+    assert figure.read(run) == (
+        "clk: fnw **+0.0100** below the oracle, calibration **0.990** (goal ≤ 0.003 and within [0.97, 1.03]: missed)"
+    )
+    assert figure.read(run | {"stream": {"delays_events": {"wait": 5000.0}}}) is None
+
+
 def test_throughput_excludes_the_warm_up_and_counts_from_its_end_to_the_last_event():
     import numpy as np
 

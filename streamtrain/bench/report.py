@@ -176,9 +176,10 @@ def _idspace(r: dict) -> str | None:
 
 
 def _delayed(r: dict) -> str | None:
-    """Per task, the best correction's holdout AUC against the oracle's, and its calibration."""
+    """Per task, the best correction's holdout AUC against the oracle's, and its calibration, on the
+    reference joiner's stream (a run with ``--wait`` plants another joiner, and is shown in full)."""
     goals, tasks = r.get("goals"), r.get("tasks")
-    if not goals or not tasks:
+    if not goals or not tasks or r.get("stream", {}).get("delays_events", {}).get("wait"):
         return None
     parts = []
     for task, legs in tasks.items():
