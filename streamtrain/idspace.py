@@ -85,7 +85,6 @@ each id's row and flags. A large step's lookups and sketch counts go to the rank
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import threading
@@ -186,10 +185,12 @@ class Undo:
         return array
 
     def record(self, name: str, rows: np.ndarray, old: np.ndarray) -> None:
-        """Record that ``rows`` of array ``name`` held ``old`` (a copy) before a write; a row may
-        appear more than once, with the value it held before each write. The positions keep their
-        dtype: a sketch's flat cell numbers pass 2**31 once it holds that many cells."""
-        self.writes.append((name, rows.copy(), old))
+        """Record that ``rows`` of array ``name`` held ``old`` before a write; a row may appear more
+        than once, with the value it held before each write. Both are kept as given, not copied (a
+        step's cells are hundreds of KiB): the caller hands them over and writes them no more. The
+        positions keep their dtype: a sketch's flat cell numbers pass 2**31 once it holds that many
+        cells."""
+        self.writes.append((name, rows, old))
 
     def halve(self, arrays: TableArrays, name: str, columns: slice = slice(None)) -> None:
         """Halve array ``name``, or only its ``columns`` (one bucket's sketch cells, in each hash row)."""
@@ -427,8 +428,9 @@ class TableIds:
     ) -> StepOutcome:
         """``map_step`` with a large step's lookups and sketch counts on ``slices``' threads: the
         lookups only read the index, so any cut of the distinct ids gives the same rows; the waiting
-        ids are counted in groups of whole buckets (``_whole_buckets``). The distinct ids, the rows
-        given and the writes stay on the calling thread."""
+        ids are counted by runs of whole buckets, each thread writing its ids' estimates and undo
+        records where one thread would. The distinct ids, the rows given and the writes stay on the
+        calling thread."""
         slices, rules = self.slices, self.rules
         assert slices is not None
         unique, hashes, sums, inverse = distinct_hashed(values, weights, weighted)
@@ -447,23 +449,21 @@ class TableIds:
         estimate, cells, old_cells = _NO_ROWS, _NO_ROWS, _NO_SKETCH[0]
         if rules.admission == ADMIT_MIN_COUNT:
             hash_rows = arrays.sketch.shape[0]
-            groups = self._whole_buckets(local_buckets[waiting], slices.cut(waiting.size))
+            estimate = np.empty(waiting.size, np.int64)
+            cells = np.empty(hash_rows * waiting.size, np.int64)
+            old_cells = np.empty(hash_rows * waiting.size, np.uint16)
 
-            def count(group: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-                part = np.empty(group.size, np.int64)
-                written, old = np.empty(hash_rows * group.size, np.int64), np.empty(hash_rows * group.size, np.uint16)
+            def count(buckets: slice) -> None:
                 count_sightings(
                     arrays.sketch, arrays.sketch_totals, rules.sketch_width, unique, sums, local_buckets,
-                    waiting[group], part, written, old,
+                    waiting, estimate, cells, old_cells, buckets.start, buckets.stop,
                 )  # fmt: skip
-                return part, written, old
 
-            counted = slices.map(count, groups)
-            estimate = np.empty(waiting.size, np.int64)
-            for group, (part, _written, _old) in zip(groups, counted, strict=True):
-                estimate[group] = part
-            cells = np.concatenate([c[1] for c in counted])
-            old_cells = np.concatenate([c[2] for c in counted])
+            # runs of whole buckets, one a thread: a bucket's cells and total are its own, so the
+            # threads never write side by side, and each cell sees its sightings in the order one
+            # thread alone would (the ids' hashes spread them evenly over the buckets)
+            runs = len(slices.cut(waiting.size))
+            slices.map(count, [slice(owned * r // runs, owned * (r + 1) // runs) for r in range(runs)])
         return admit_and_write(
             unique, sums, inverse, rows, local_buckets, seen, waiting, estimate, cells, old_cells, arrays, rules,
             step, now_ms,
@@ -480,18 +480,6 @@ class TableIds:
             columns = slice(bucket * self.sketch_width, (bucket + 1) * self.sketch_width)
             undo.halve(self.arrays, "sketch", columns)
             self.sketch_totals[bucket] = int(sketch[:, columns].sum(dtype=np.int64))
-
-    def _whole_buckets(self, local_buckets: np.ndarray, cut: list[slice]) -> list[np.ndarray]:
-        """The positions of ``local_buckets`` in groups of whole buckets, about as ``cut`` cuts them.
-        A bucket's sketch cells and total are its own, so threads that take whole buckets never
-        write side by side, and each cell sees its sightings in the order one thread alone would."""
-        # local buckets fit 16 bits (at most 65,536 buckets), which numpy's stable argsort radix-sorts
-        order = np.argsort(local_buckets.astype(np.uint16), kind="stable")
-        starts = np.concatenate(([0], np.cumsum(np.bincount(local_buckets, minlength=len(self.buckets)))))
-        # each cut moved back to the start of the bucket it falls in
-        bounds = starts[np.searchsorted(starts, [part.start for part in cut[1:]], side="right") - 1]
-        edges = [0, *np.unique(bounds).tolist(), local_buckets.size]
-        return [order[a:b] for a, b in itertools.pairwise(edges) if b > a]
 
     def _recount_sketch(self) -> None:
         sketch = self.arrays.sketch

@@ -107,6 +107,34 @@ def distinct_hashed(values: I64, weights: I64, weighted: bool) -> tuple[I64, np.
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def sort_order(keys: I64) -> I64:
+    """The positions of ``keys`` in ascending order, equal keys in their order: a radix sort by
+    bytes, skipping a byte all keys share. numba's own sorts take about ten times numpy's, which a
+    step's few thousand ids would notice."""
+    n = keys.shape[0]
+    flipped = np.empty(n, np.uint64)  # the sign bit flipped: signed order as unsigned
+    for i in range(n):
+        flipped[i] = np.uint64(keys[i]) ^ np.uint64(1 << 63)
+    order, spare = np.arange(n), np.empty(n, np.int64)
+    counts = np.empty(257, np.int64)
+    for shift in range(0, 64, 8):
+        counts[:] = 0
+        for i in range(n):
+            counts[((flipped[i] >> np.uint64(shift)) & np.uint64(0xFF)) + 1] += 1
+        if counts.max() == n:  # every key has this byte: the order stands
+            continue
+        for d in range(256):
+            counts[d + 1] += counts[d]
+        for i in range(n):
+            at = order[i]
+            digit = (flipped[at] >> np.uint64(shift)) & np.uint64(0xFF)
+            spare[counts[digit]] = at
+            counts[digit] += 1
+        order, spare = spare, order
+    return order
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def bucket_of(value: np.int64, bucket_count: int) -> np.int64:
     """An id's bucket: a salted hash scaled to the bucket count, independent of the index's (which
     would otherwise crowd a rank's ids into a band of its slots)."""
@@ -173,39 +201,53 @@ def count_sightings(
     estimate: I64,
     written: I64,
     old: np.ndarray,
+    first_bucket: int,
+    end_bucket: int,
 ) -> None:
-    """Add each ``waiting`` id's sightings to its cell in each hash row of ``sketch``, saturating,
-    and what each bucket gained to ``totals``; then its estimate, the least of its cells once every
-    sighting is in (ids sharing a cell add up; a saturated cell still reads at least any min_count).
-    An id's cell in a hash row is its salted hash in its bucket's ``width`` cells (a power of two,
-    so a mask places it). Each write's flat cell and old value go to ``written`` and ``old``, hash
-    row after hash row, in the ids' order. The cells are placed first, each asked for as it is
-    placed, so the additions that follow ``AHEAD`` ids behind find them arriving."""
+    """Add each ``waiting`` id of the buckets [``first_bucket``, ``end_bucket``) to its cell in
+    each hash row of ``sketch``, saturating, and what each bucket gained to ``totals``; then its
+    estimate, the least of its cells once every sighting is in (ids sharing a cell add up; a
+    saturated cell still reads at least any min_count). An id's cell in a hash row is its salted
+    hash in its bucket's ``width`` cells (a power of two, so a mask places it). Waiting id i's
+    estimate goes to ``estimate[i]``, and the write of its hash row r's cell (the flat cell and its
+    old value) to ``written`` and ``old`` at r * n + i: threads that take runs of buckets write
+    apart, and together write what one thread taking every bucket does. The cells are placed
+    first, each asked for as it is placed, so the additions that follow ``AHEAD`` ids behind find
+    them arriving."""
     flat = sketch.reshape(-1)
     hash_rows, row_cells, n = sketch.shape[0], sketch.shape[1], waiting.shape[0]
     mask = np.uint64(width - 1)
-    for i in range(n + AHEAD):
-        if i < n:
+    mine = np.empty(n, np.int64)  # the positions among ``waiting`` of the ids of these buckets
+    m = 0
+    for i in range(n):
+        bucket = local_buckets[waiting[i]]
+        if first_bucket <= bucket < end_bucket:
+            mine[m] = i
+            m += 1
+    for k in range(m + AHEAD):
+        if k < m:
+            i = mine[k]
             j = waiting[i]
             base = local_buckets[j] * width
             for row in range(hash_rows):
                 cell = row * row_cells + base + np.int64(mix(np.uint64(unique[j]) ^ SKETCH_SALTS[row]) & mask)
                 written[row * n + i] = cell
                 prefetch(flat, cell)
-        if i >= AHEAD:
-            at = i - AHEAD
-            j = waiting[at]
+        if k >= AHEAD:
+            i = mine[k - AHEAD]
+            j = waiting[i]
             for row in range(hash_rows):
-                cell = written[row * n + at]
+                cell = written[row * n + i]
                 before = flat[cell]
                 after = min(np.int64(before) + sums[j], SKETCH_MAX)
-                old[row * n + at] = before
+                old[row * n + i] = before
                 flat[cell] = after
                 totals[local_buckets[j]] += after - np.int64(before)
-    for i in range(n):
-        if i + AHEAD < n:
+    for k in range(m):
+        if k + AHEAD < m:
             for row in range(hash_rows):
-                prefetch(flat, written[row * n + i + AHEAD])
+                prefetch(flat, written[row * n + mine[k + AHEAD]])
+        i = mine[k]
         least = np.int64(flat[written[i]])
         for row in range(1, hash_rows):
             least = min(least, np.int64(flat[written[row * n + i]]))
@@ -254,7 +296,9 @@ def give_rows(
     available = np.full(local_buckets.shape[0], -1, dtype=np.int64)
     victims = np.empty(local_buckets.shape[0], dtype=np.int64)
     evicted = 0
-    seen = np.sort(seen)  # a bucket's seen rows are then one run, read alongside its rows
+    # sorted once a bucket is short of free rows (a bucket's seen rows are then one run, read
+    # alongside its rows): a step that evicts nothing does not pay for it
+    sorted_seen = seen[:0]
     for bucket in range(buckets):
         want = wanted[bucket]
         if want == 0:
@@ -270,15 +314,17 @@ def give_rows(
         short = end - at
         if short == 0:
             continue
-        if not by_count and _from_kept(bucket, short, at, available, victims, evicted, arrays, seen, step):
+        if sorted_seen.shape[0] < seen.shape[0]:
+            sorted_seen = seen[sort_order(seen)]
+        if not by_count and _from_kept(bucket, short, at, available, victims, evicted, arrays, sorted_seen, step):
             at += short
             evicted += short
             continue
         keys = np.empty(starts[bucket + 1] - starts[bucket], dtype=np.int64)
         candidates = 0
-        next_seen = np.searchsorted(seen, starts[bucket])
+        next_seen = np.searchsorted(sorted_seen, starts[bucket])
         for row in range(starts[bucket], starts[bucket + 1]):
-            if next_seen < seen.shape[0] and seen[next_seen] == row:
+            if next_seen < sorted_seen.shape[0] and sorted_seen[next_seen] == row:
                 next_seen += 1
             elif in_use[row]:
                 rank = np.int64(counts[row]) if by_count else MAX_AGE - np.int64(np.uint32(step32 - last_step[row]))
@@ -288,11 +334,8 @@ def give_rows(
         ranked = take if by_count else min(take + kept_rows.shape[1], candidates)
         if ranked == 0:
             continue
-        lowest = (
-            np.sort(np.partition(keys[:candidates], ranked - 1)[:ranked])
-            if ranked < candidates
-            else np.sort(keys[:candidates])
-        )
+        lowest = np.partition(keys[:candidates], ranked - 1)[:ranked] if ranked < candidates else keys[:candidates]
+        lowest = lowest[sort_order(lowest)]
         for key in lowest[:take]:
             available[at] = victims[evicted] = key % capacity
             at += 1
@@ -464,6 +507,8 @@ def map_step(
             estimate,
             cells,
             old_cells,
+            0,
+            owned,
         )
     return admit_and_write(
         unique,
@@ -519,7 +564,7 @@ def admit_and_write(
         admit = np.ones(waiting.shape[0], np.bool_)
     admitted = waiting[admit]
     # new ids take rows in the order of their ids, whichever rank's batch brought them first
-    admitted = admitted[np.argsort(unique[admitted])]
+    admitted = admitted[sort_order(unique[admitted])]
     step32 = np.uint32(step & 0xFFFFFFFF)
     seen_rows = rows[seen]
     given, victims = give_rows(local_buckets[admitted], arrays, seen_rows, keeps_counts, step)
