@@ -89,7 +89,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--leg-events", type=int, default=None, help="the legs' backlog in events, in place of --leg-seconds"
     )
     parser.add_argument(
-        "--rounds", type=int, default=3, help="rounds of (with deltas, without), the order alternating (default 3)"
+        "--rounds",
+        type=int,
+        default=5,
+        help="rounds of (with deltas, without), the order alternating (default 5)",
     )
 
 
