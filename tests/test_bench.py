@@ -388,6 +388,36 @@ def test_naive_ranks_whose_port_was_taken_start_again_not_wait_for_the_timeout(k
     assert time.monotonic() - started < 180  # not the rank's wait for a peer that had died
 
 
+def test_each_worker_leg_trains_the_whole_backlog_not_a_snapshot_the_leg_before_left(kafka, topic_name, tmp_path):
+    """Two worker legs on one topic, as bench e2e's warm-up and rounds run them, each in a group of
+    its own, under a config that snapshots to a path in the checkout (deploy/worker.yaml's
+    ``snapshots``): the second trains every event too, not resuming from the first's snapshot at
+    the end, and neither writes into the checkout."""
+    import shutil
+
+    import yaml
+
+    from streamtrain.bench.e2e import worker_leg
+    from streamtrain.dev.produce import produce
+
+    produce(kafka.bootstrap_servers, topic_name, 3_000, partitions=4, schema_path=REPO / "schemas/click_event.avsc")
+    raw = yaml.safe_load(SMALL_CONFIG.read_text())
+    in_checkout = f"snapshots-{topic_name}"  # relative: the bench runs its workers in the checkout
+    raw["checkpoint"] = {"path": in_checkout}
+    config = tmp_path / "worker.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    try:
+        for group in ("first", "second"):
+            leg = worker_leg(
+                config, kafka.bootstrap_servers, topic_name, warm_up=0.0,
+                environment={"STREAMTRAIN_KAFKA__GROUP_ID": f"{topic_name}-{group}"},
+            )  # fmt: skip
+            assert leg["total_events"] == 3_000, (group, leg["log"])
+        assert not (REPO / in_checkout).exists()
+    finally:
+        shutil.rmtree(REPO / in_checkout, ignore_errors=True)
+
+
 def test_report_soak_figure_judges_exactly_once_and_staleness_against_their_goals():
     from streamtrain.bench.report import FIGURES
 

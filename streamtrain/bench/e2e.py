@@ -225,12 +225,16 @@ def _median(values: list[float | None]) -> float | None:
 
 
 def worker_environment(bootstrap: str, topic: str, record: Path, metrics_port: int = 0) -> dict[str, str]:
+    """A bench worker's environment; its snapshots go beside its run ``record``, a folder of its own:
+    a worker that found the config's checkpoint path holding another leg's snapshot would resume
+    from it, and train nothing of a backlog already trained."""
     return {
         **os.environ,
         "PYTHONUNBUFFERED": "1",
         "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": bootstrap,
         "STREAMTRAIN_KAFKA__TOPIC": topic,
         "STREAMTRAIN_KAFKA__GROUP_ID": f"bench-{topic}",
+        "STREAMTRAIN_CHECKPOINT__PATH": str(record.parent / "snapshots"),
         "STREAMTRAIN_METRICS__PORT": str(metrics_port),
         "STREAMTRAIN_RUN_RECORD": str(record),
         # Training alone, without snapshots to publish from; delivery's cost is measured on its own.
