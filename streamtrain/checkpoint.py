@@ -590,6 +590,7 @@ class Checkpointer:
         if metrics is not None:
             metrics.checkpoint_interval.set(config.interval_seconds)
         self.worker_config = worker_config
+        self.topic = worker_config.kafka.topic  # whose offsets a restore may take
         self.fingerprint = compatibility_fingerprint(worker_config)
         self.in_flight: tuple[Future, str, StreamState, float] | None = None
         self.last_saved_at = time.monotonic()
@@ -929,8 +930,20 @@ class Checkpointer:
                     self.fingerprint, snapshot.metadata.get("fingerprint", {}), self.worker_config
                 )
             refused = bool(differences) and not allow_partial
-            # 0: every rank loads it; 1: some rank cannot verify it; 2: some rank refuses it
-            verdict = self._agree(1 if snapshot is None else 2 if refused else 0, dist.ReduceOp.MAX)
+            foreign = "stream" in parts and snapshot is not None and _topic_of(snapshot) not in (None, self.topic)
+            # 0: every rank loads it; 1: some rank cannot verify it; 2: some rank refuses it; 3: its
+            # positions are in another topic
+            verdict = self._agree(1 if snapshot is None else 3 if foreign else 2 if refused else 0, dist.ReduceOp.MAX)
+            if verdict == 3:
+                where = f"in the topic {_topic_of(snapshot)!r}" if foreign and snapshot else "in another topic"
+                raise RestoreRefused(
+                    f"the snapshot {snapshot.path if snapshot else f'at step {step}'} holds positions {where}, and "
+                    f"this worker reads {self.topic!r}: those offsets would place this topic's partitions at another "
+                    f"topic's positions, skipping or repeating events. Nothing was loaded. To go on training that "
+                    f"stream, set kafka.topic back; to train this model on the new topic, give it another "
+                    f"checkpoint.path with checkpoint.init_from: {self.root} (weights, not positions), or pass "
+                    f"--fresh-start here. Exiting with code {ExitCode.RESTORE_REFUSED:d}."
+                )
             if verdict == 2:
                 raise RestoreRefused(
                     f"the snapshot {snapshot.path if snapshot else f'at step {step}'} does not fit this worker: "
@@ -991,6 +1004,13 @@ class Checkpointer:
             # param groups). A partial restore keeps the loaded tensors and fresh counters.
             self.optimizer.load_state_dict(state["optimizer"])
         return StreamState.from_json(state["stream"]) if "stream" in parts else None
+
+
+def _topic_of(snapshot: SnapshotInfo) -> str | None:
+    """The topic whose offsets a snapshot holds, from the config its marker records; None for a
+    marker that records none."""
+    topic = ((snapshot.metadata or {}).get("config") or {}).get("kafka", {}).get("topic")
+    return topic if isinstance(topic, str) else None
 
 
 def _without_other_sketches(id_space: dict[str, Any], metadata: Metadata) -> dict[str, Any]:

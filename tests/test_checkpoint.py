@@ -18,7 +18,7 @@ import yaml
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from conftest import REPO, SCHEMA, end_offsets
-from streamtrain.checkpoint import Checkpointer, CheckpointError, StreamState, list_snapshots
+from streamtrain.checkpoint import Checkpointer, CheckpointError, RestoreRefused, StreamState, list_snapshots
 from streamtrain.config import parse_config
 from streamtrain.decode import AvroBatchDecoder
 from streamtrain.dev.produce import AvroEncoder, ClickStream, encoded_events, produce
@@ -33,9 +33,9 @@ KILL_VICTIMS = ("rank 1", "rank 0", "all")
 KILL_TRIALS = int(os.environ.get("STREAMTRAIN_TEST_KILL_TRIALS", str(len(KILL_VICTIMS))))
 
 
-def small_config(tmp_path: Path, **checkpoint):
+def small_config(tmp_path: Path, topic: str = "unused", **checkpoint):
     raw = yaml.safe_load((REPO / "tests" / "worker-small.yaml").read_text())
-    raw["kafka"] = {"bootstrap_servers": "unused:9092", "topic": "unused"}
+    raw["kafka"] = {"bootstrap_servers": "unused:9092", "topic": topic}
     raw["checkpoint"] = {"path": str(tmp_path / "snapshots"), **checkpoint}
     return parse_config(raw, environ={})
 
@@ -187,6 +187,31 @@ def test_a_snapshot_for_another_feature_config_is_refused_unless_partial(tmp_pat
     assert torch.equal(saved[table], loaded[table])  # unchanged tables came back
 
 
+def test_a_snapshot_of_another_topics_positions_is_refused_even_partially(tmp_path, batches):
+    """Offsets are per partition: restored under another kafka.topic they would seek its partitions
+    to the old topic's places, skipping or repeating events, with no error. The refusal names both
+    topics and the way out (init_from, which takes weights and not positions)."""
+    config = small_config(tmp_path)
+    env = init_distributed()
+    trainer = Trainer(config, env)
+    list(trainer.train(iter(batches[:1])))
+    checkpointer_for(config, trainer).save(StreamState(step=1, next_offsets={0: 7}, trained={0: 7}))
+    raw = yaml.safe_load((REPO / "tests" / "worker-small.yaml").read_text())
+    raw["kafka"] = {"bootstrap_servers": "unused:9092", "topic": "clicks-v2"}
+    raw["checkpoint"] = {"path": config.checkpoint.path}
+    moved = parse_config(raw, environ={})
+    for allow_partial in (False, True):
+        with pytest.raises(
+            RestoreRefused, match=r"in the topic 'unused', and this worker reads 'clicks-v2'.*init_from"
+        ):
+            checkpointer_for(moved, Trainer(moved, env)).restore(allow_partial=allow_partial)
+    assert checkpointer_for(config, Trainer(config, env)).restore().next_offsets == {0: 7}  # the same topic loads
+    # a warm start takes weights only, so the other topic's snapshot serves as one
+    raw["checkpoint"] = {"path": str(tmp_path / "v2")}
+    fresh = parse_config(raw, environ={})
+    checkpointer_for(fresh, Trainer(fresh, env)).warm_start(config.checkpoint.path, with_optimizer=False)
+
+
 # --- end to end: real broker, real ranks, real kills ---------------------------------------------
 
 
@@ -291,7 +316,7 @@ def test_two_rank_snapshot_restores_into_one_rank(kafka, topic_name, start_ranks
     assert snapshot.complete and snapshot.metadata["world_size"] == 2
     saved = torch.load(_as_torch_save(snapshot.path, tmp_path), weights_only=False)["model"]
 
-    config = small_config(tmp_path)
+    config = small_config(tmp_path, topic=topic_name)  # the snapshot's positions are in topic_name
     trainer = Trainer(config, init_distributed())
     assert checkpointer_for(config, trainer).restore().step == snapshot.step
     restored = weights(trainer)
