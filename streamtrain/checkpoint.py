@@ -515,7 +515,7 @@ def verify_snapshot(path: str, step: int | None = None) -> SnapshotInfo:
     step = _step_of(name) if step is None else step
     if step is None:
         raise ValueError(f"{path} is not a snapshot: its name is not step-<N>")
-    size = sum(fs.du(local, total=False).values()) if fs.exists(local) else 0
+    size = _size_of(fs, local)
     if name.endswith(PARTIAL):
         return SnapshotInfo(path, step, False, "never finished (no commit by rank 0)", None, size)
     try:
@@ -546,6 +546,16 @@ def verify_snapshot(path: str, step: int | None = None) -> SnapshotInfo:
     except Exception as error:  # a damaged .metadata file fails to unpickle in many ways
         return SnapshotInfo(path, step, False, f"unreadable DCP metadata: {error}", metadata, size)
     return SnapshotInfo(path, step, True, None, metadata, size)
+
+
+def _size_of(fs: Any, local: str) -> int:
+    """A snapshot folder's bytes; 0 if it is gone. A save in flight renames its ``.partial`` folder
+    as it commits, and retention removes folders: a reader listing beside the worker (retention,
+    ``streamtrain checkpoints``, a test waiting for a snapshot) may find one gone half-way."""
+    try:
+        return sum(fs.du(local, total=False).values()) if fs.exists(local) else 0
+    except FileNotFoundError:
+        return 0
 
 
 def _fsspec_reader(path: str) -> FsspecReader:

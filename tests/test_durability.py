@@ -182,6 +182,26 @@ def test_retention_rm_failure_leaves_the_commit_counted_as_done(tmp_path, monkey
     assert [s.step for s in list_snapshots(config.checkpoint.path)] == [3]
 
 
+def test_listing_beside_a_commit_that_renames_its_partial_folder_half_way_does_not_fail(tmp_path, monkeypatch):
+    """A reader lists snapshots while a save commits: the .partial folder it is sizing is renamed to
+    its final name between the walk and a file's stat. It was an error (FileNotFoundError out of
+    list_snapshots, seen by a test waiting for a snapshot); the folder now reads as gone."""
+    root = tmp_path / "snapshots"
+    partial = root / "step-000000003.partial"
+    partial.mkdir(parents=True)
+    (partial / "__0_0.distcp").write_bytes(b"x" * 10)
+    stat = LocalFileSystem.info
+
+    def info_as_the_save_commits(self, path, **kwargs):
+        if str(path).endswith(".distcp") and partial.exists():
+            partial.rename(root / "step-000000003")
+        return stat(self, path, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "info", info_as_the_save_commits)
+    (snapshot,) = list_snapshots(str(root))
+    assert not snapshot.complete and snapshot.bytes == 0
+
+
 def test_restore_takes_the_snapshot_committed_last_as_retention_does_not_an_abandoned_higher_step(tmp_path):
     """A restart fell back from step 10 (unreadable then) to step 6 and committed step 8; retention keeps all
     three by commit. The next restart, step 10 readable again, must go on from step 8, this timeline's newest."""
