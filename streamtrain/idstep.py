@@ -42,7 +42,7 @@ from streamtrain.idindex import EMPTY, delete_rows, insert_rows, mix, prefetch, 
 I64 = npt.NDArray[np.int64]
 
 # Two hash rows for the count sketch of ids waiting for admission, with salts that make them
-# independent.
+# independent (``count_sightings`` writes the two out).
 SKETCH_SALTS = np.array([0x243F6A8885A308D3, 0x13198A2E03707344], dtype=np.uint64)
 # Sketch cells saturate here (uint16): min_count is at most this (config), and halvings keep
 # counts of live traffic far below it.
@@ -205,53 +205,57 @@ def count_sightings(
     end_bucket: int,
 ) -> None:
     """Add each ``waiting`` id of the buckets [``first_bucket``, ``end_bucket``) to its cell in
-    each hash row of ``sketch``, saturating, and what each bucket gained to ``totals``; then its
-    estimate, the least of its cells once every sighting is in (ids sharing a cell add up; a
-    saturated cell still reads at least any min_count). An id's cell in a hash row is its salted
-    hash in its bucket's ``width`` cells (a power of two, so a mask places it). Waiting id i's
-    estimate goes to ``estimate[i]``, and the write of its hash row r's cell (the flat cell and its
-    old value) to ``written`` and ``old`` at r * n + i: threads that take runs of buckets write
+    each of the two hash rows of ``sketch``, saturating, and what each bucket gained to ``totals``;
+    then its estimate, the lesser of its cells once every sighting is in (ids sharing a cell add
+    up; a saturated cell still reads at least any min_count). An id's cell in a hash row is its
+    salted hash in its bucket's ``width`` cells (a power of two, so a mask places it). Waiting id
+    i's estimate goes to ``estimate[i]``, and the write of its hash row r's cell (the flat cell and
+    its old value) to ``written`` and ``old`` at r * n + i: threads that take runs of buckets write
     apart, and together write what one thread taking every bucket does. The cells are placed
     first, each asked for as it is placed, so the additions that follow ``AHEAD`` ids behind find
-    them arriving."""
+    them arriving. The two rows are written out, not looped over: the loop's bookkeeping cost as
+    much as the additions."""
     flat = sketch.reshape(-1)
-    hash_rows, row_cells, n = sketch.shape[0], sketch.shape[1], waiting.shape[0]
+    row_cells, n = sketch.shape[1], waiting.shape[0]
     mask = np.uint64(width - 1)
-    mine = np.empty(n, np.int64)  # the positions among ``waiting`` of the ids of these buckets
-    m = 0
-    for i in range(n):
-        bucket = local_buckets[waiting[i]]
-        if first_bucket <= bucket < end_bucket:
-            mine[m] = i
-            m += 1
+    # the positions among ``waiting`` of the ids of these buckets: all of them, or listed
+    every = first_bucket == 0 and end_bucket == totals.shape[0]
+    mine, m = waiting[:0], n
+    if not every:
+        mine, m = np.empty(n, np.int64), 0
+        for i in range(n):
+            bucket = local_buckets[waiting[i]]
+            if first_bucket <= bucket < end_bucket:
+                mine[m] = i
+                m += 1
     for k in range(m + AHEAD):
         if k < m:
-            i = mine[k]
+            i = k if every else mine[k]
             j = waiting[i]
             base = local_buckets[j] * width
-            for row in range(hash_rows):
-                cell = row * row_cells + base + np.int64(mix(np.uint64(unique[j]) ^ SKETCH_SALTS[row]) & mask)
-                written[row * n + i] = cell
-                prefetch(flat, cell)
+            key = np.uint64(unique[j])
+            first, second = (
+                base + np.int64(mix(key ^ SKETCH_SALTS[0]) & mask),
+                row_cells + base + np.int64(mix(key ^ SKETCH_SALTS[1]) & mask),
+            )
+            written[i], written[n + i] = first, second
+            prefetch(flat, first)
+            prefetch(flat, second)
         if k >= AHEAD:
-            i = mine[k - AHEAD]
+            i = k - AHEAD if every else mine[k - AHEAD]
             j = waiting[i]
-            for row in range(hash_rows):
-                cell = written[row * n + i]
-                before = flat[cell]
-                after = min(np.int64(before) + sums[j], SKETCH_MAX)
-                old[row * n + i] = before
-                flat[cell] = after
-                totals[local_buckets[j]] += after - np.int64(before)
+            first, second = written[i], written[n + i]
+            before = np.int64(flat[first])
+            after = min(before + sums[j], SKETCH_MAX)
+            old[i], flat[first] = before, after
+            gained = after - before
+            before = np.int64(flat[second])  # after the first row's write: the cells may be one
+            after = min(before + sums[j], SKETCH_MAX)
+            old[n + i], flat[second] = before, after
+            totals[local_buckets[j]] += gained + after - before
     for k in range(m):
-        if k + AHEAD < m:
-            for row in range(hash_rows):
-                prefetch(flat, written[row * n + mine[k + AHEAD]])
-        i = mine[k]
-        least = np.int64(flat[written[i]])
-        for row in range(1, hash_rows):
-            least = min(least, np.int64(flat[written[row * n + i]]))
-        estimate[i] = least
+        i = k if every else mine[k]
+        estimate[i] = min(np.int64(flat[written[i]]), np.int64(flat[written[n + i]]))
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
