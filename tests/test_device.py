@@ -6,6 +6,7 @@ Nothing here has run on a GPU: the GPU side is simulated by patching torch.cuda.
 import importlib.metadata
 import json
 import logging
+import os
 import subprocess
 import sys
 from datetime import timedelta
@@ -232,3 +233,38 @@ def test_plan_topology_hbm_cap_moves_a_table_too_big_for_the_gpu_off_it(tmp_path
     printed, capped = kernels("--hbm-gb", "1", "--ddr-gb", "64", "--local-world-size", "8")
     assert "GPU memory 1.0 GiB, host memory 64.0 GiB" in printed
     assert capped["user_id"] in ("fused_uvm_caching", "fused_uvm")
+
+
+_STEPS_FAULTS = """
+import resource, sys
+import numpy as np
+from streamtrain.device import keep_freed_heap
+print(keep_freed_heap() if sys.argv[1] == "keep" else False)
+def step():  # a step's scratch: a few MiB allocated, written and freed
+    return sum(int(a[-1]) for a in [np.ones(1 << 20, np.int64) for _ in range(3)])
+step()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    step()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc")
+def test_a_rank_keeps_the_heap_a_step_frees_instead_of_faulting_it_back_in_each_step():
+    """With glibc's defaults, freeing a step's scratch trims the heap, and the next step faults every
+    page back in (20k faults over these 20 steps). A rank keeps it (init_distributed); an operator's
+    own malloc tuning in the environment is left alone."""
+
+    def run(mode: str, **env: str) -> tuple[str, int]:
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+        out = subprocess.run(
+            [sys.executable, "-c", _STEPS_FAULTS, mode], cwd=REPO, env={**environ, **env},
+            capture_output=True, text=True, timeout=60, check=True,
+        ).stdout.split()  # fmt: skip
+        return out[0], int(out[1])
+
+    default, kept = run("default"), run("keep")
+    assert default[1] > 10_000, default  # what a step costs with glibc's defaults
+    assert kept[0] == "True" and kept[1] < default[1] // 100, (default, kept)
+    assert run("keep", MALLOC_TRIM_THRESHOLD_="0")[0] == "False"  # the operator's setting stands

@@ -80,9 +80,11 @@ def _rank(rank: int, world_size: int, port: int, features_json: str, steps_json:
     import torch.distributed as dist
 
     from streamtrain.config import FeaturesConfig
+    from streamtrain.device import keep_freed_heap
     from streamtrain.idspace import IdSpace
 
     torch.set_num_threads(1)
+    keep_freed_heap()  # as a worker's rank does (init_distributed)
     features = FeaturesConfig.model_validate_json(features_json)
     ids_per_step, steps, seed, warmup, repeats = json.loads(steps_json)
     if world_size > 1:
