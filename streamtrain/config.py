@@ -302,7 +302,7 @@ class EvictionConfig(_Strict):
         return self
 
 
-# Chosen on bench idspace's tailed leg (docs/performance.md): with a third of the events from ids seen
+# Chosen on bench idspace's tailed leg (docs/benchmarks.md#bench-idspace): with a third of the events from ids seen
 # once, admitting every id lets the one-offs evict live ids' rows.
 DEFAULT_ADMISSION = {"min_count": 2}
 

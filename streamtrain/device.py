@@ -207,7 +207,7 @@ def intra_op_threads(configured: int | None) -> int:
     The core left over is for the Kafka client, the decoder and the snapshot writer. A trainer
     whose thread pool takes every core stalls whenever any of them runs, since a parallel region
     waits for its slowest thread: on 2 cores, one rank kept 0.79-0.83 of its throughput with a
-    snapshot every 3 s at 2 threads, 0.83-1.00 at 1 (docs/performance.md)."""
+    snapshot every 3 s at 2 threads, 0.83-1.00 at 1 (CHANGELOG.md, 2026-12-01)."""
     if configured is not None:
         return configured
     if os.environ.get("OMP_NUM_THREADS"):
