@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from conftest import REPO, SMALL_CONFIG
 from streamtrain.bench.cpu import GROUPS, CpuSample, CpuSampler, cpu_per_event, stolen_seconds
@@ -74,10 +75,17 @@ def test_collectives_benchmark_times_both_sums_at_every_size_on_two_ranks():
 
 
 @pytest.mark.integration  # starts its own broker
-def test_memory_benchmark_samples_the_workers_rss():
-    saved = _bench("memory", "--quick", "--config", str(SMALL_CONFIG))
+def test_memory_benchmark_samples_the_workers_rss(tmp_path):
+    """Its worker snapshots into a folder of the run's own: under the config's checkpoint.path, the
+    next run would resume from this run's positions in the topic of the same name."""
+    raw = yaml.safe_load(SMALL_CONFIG.read_text())
+    raw["checkpoint"] = {"path": str(tmp_path / "configured"), "interval_steps": 5}
+    config = tmp_path / "worker.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    saved = _bench("memory", "--quick", "--config", str(config))
     assert len(saved["samples"]) >= 10 and all(rss > 0 for _t, rss in saved["samples"])
     assert "events trained" in saved["worker_summary"]
+    assert not (tmp_path / "configured").exists()
 
 
 @pytest.mark.integration  # starts its own broker

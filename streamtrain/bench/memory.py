@@ -34,11 +34,14 @@ def bench_memory(config_path: Path, seconds: float, backlog_events: int, progres
     import signal
     import subprocess
     import sys
+    import tempfile
 
     from streamtrain.dev.kafka import KafkaBroker, free_port
     from streamtrain.dev.produce import produce
 
-    with KafkaBroker() as broker:
+    # snapshots in a folder of the run's own: under the config's checkpoint.path, a run would resume
+    # from the last run's positions in its topic of the same name
+    with KafkaBroker() as broker, tempfile.TemporaryDirectory(prefix="streamtrain-memory-") as snapshots:
         progress(f"writing a backlog of {backlog_events:,} events")
         produce(broker.bootstrap_servers, "memory", backlog_events, partitions=4, seed=7, schema_path=SCHEMA)
         environ = {
@@ -46,7 +49,8 @@ def bench_memory(config_path: Path, seconds: float, backlog_events: int, progres
             "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": broker.bootstrap_servers,
             "STREAMTRAIN_KAFKA__TOPIC": "memory",
             "STREAMTRAIN_METRICS__PORT": str(free_port()),
-            "STREAMTRAIN_DELIVERY__ENABLED": "false",  # the worker's own memory, without snapshots
+            "STREAMTRAIN_CHECKPOINT__PATH": snapshots,
+            "STREAMTRAIN_DELIVERY__ENABLED": "false",  # the worker's own memory, without a delta publisher
         }
         worker = subprocess.Popen(
             [sys.executable, "-m", "streamtrain", "worker", "--config", str(config_path)],
