@@ -243,11 +243,12 @@ KEPT_HEAP_BYTES, MAPPED_ABOVE_BYTES = 256 << 20, 32 << 20
 def keep_freed_heap() -> bool:
     """Keep the heap a step frees for the next step instead of giving it back to the kernel; True
     when set. A step allocates and frees the same few MiB of scratch (the managed map's, the
-    decoder's). With glibc's defaults its heap top is trimmed once more than twice the last freed
-    mapping is free, and the next step faults every page back in: on a VM about 1.6 us a page, 17 ns
-    an id of the managed map's 45 at the scale leg's size (700 faults a step; docs/ranks.md).
-    Left as it is where the operator tuned malloc (``MALLOC_*_`` or ``GLIBC_TUNABLES`` in the
-    environment) and off glibc."""
+    decoder's). glibc trims its heap's free top past a threshold that moves with the largest block
+    freed, and the steps after a trim fault every page back in: on a VM about 1.6 us a page, 700
+    faults a map step at the scale leg of bench idspace, where each timed map follows the free of
+    a copy of the map (docs/ranks.md). Fixed thresholds make a step's cost not depend on what was
+    freed before it. Left as it is where the operator tuned malloc (``MALLOC_*_`` or
+    ``GLIBC_TUNABLES`` in the environment) and off glibc."""
     if sys.platform != "linux" or "GLIBC_TUNABLES" in os.environ or any(k.startswith("MALLOC_") for k in os.environ):
         return False
     try:
