@@ -600,7 +600,6 @@ class Checkpointer:
         if metrics is not None:
             metrics.checkpoint_interval.set(config.interval_seconds)
         self.worker_config = worker_config
-        self.topic = worker_config.kafka.topic  # whose offsets a restore may take
         self.fingerprint = compatibility_fingerprint(worker_config)
         self.in_flight: tuple[Future, str, StreamState, float] | None = None
         self.last_saved_at = time.monotonic()
@@ -940,7 +939,8 @@ class Checkpointer:
                     self.fingerprint, snapshot.metadata.get("fingerprint", {}), self.worker_config
                 )
             refused = bool(differences) and not allow_partial
-            foreign = "stream" in parts and snapshot is not None and _topic_of(snapshot) not in (None, self.topic)
+            topic = self.worker_config.kafka.topic  # whose offsets a restore may take
+            foreign = "stream" in parts and snapshot is not None and _topic_of(snapshot) not in (None, topic)
             # 0: every rank loads it; 1: some rank cannot verify it; 2: some rank refuses it; 3: its
             # positions are in another topic
             verdict = self._agree(1 if snapshot is None else 3 if foreign else 2 if refused else 0, dist.ReduceOp.MAX)
@@ -948,7 +948,7 @@ class Checkpointer:
                 where = f"in the topic {_topic_of(snapshot)!r}" if foreign and snapshot else "in another topic"
                 raise RestoreRefused(
                     f"the snapshot {snapshot.path if snapshot else f'at step {step}'} holds positions {where}, and "
-                    f"this worker reads {self.topic!r}: those offsets would place this topic's partitions at another "
+                    f"this worker reads {topic!r}: those offsets would place this topic's partitions at another "
                     f"topic's positions, skipping or repeating events. Nothing was loaded. To go on training that "
                     f"stream, set kafka.topic back; to train this model on the new topic, give it another "
                     f"checkpoint.path with checkpoint.init_from: {self.root} (weights, not positions), or pass "

@@ -403,8 +403,6 @@ def test_each_worker_leg_trains_the_whole_backlog_not_a_snapshot_the_leg_before_
     the end, and neither writes into the checkout."""
     import shutil
 
-    import yaml
-
     from streamtrain.bench.e2e import worker_leg
     from streamtrain.dev.produce import produce
 

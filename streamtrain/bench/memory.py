@@ -30,28 +30,20 @@ def run(args: argparse.Namespace, progress: Callable[[str], None]) -> dict:
 def bench_memory(config_path: Path, seconds: float, backlog_events: int, progress: Callable[[str], None]) -> dict:
     """The worker's RSS while a backlog far larger than it can train in ``seconds`` waits in Kafka:
     flat memory means the prefetch queue and the client's fetch buffers bound what the worker holds."""
-    import os
     import signal
     import subprocess
     import sys
     import tempfile
 
+    from streamtrain.bench.e2e import worker_environment
     from streamtrain.dev.kafka import KafkaBroker, free_port
     from streamtrain.dev.produce import produce
 
-    # snapshots in a folder of the run's own: under the config's checkpoint.path, a run would resume
-    # from the last run's positions in its topic of the same name
-    with KafkaBroker() as broker, tempfile.TemporaryDirectory(prefix="streamtrain-memory-") as snapshots:
+    with KafkaBroker() as broker, tempfile.TemporaryDirectory(prefix="streamtrain-memory-") as folder:
         progress(f"writing a backlog of {backlog_events:,} events")
         produce(broker.bootstrap_servers, "memory", backlog_events, partitions=4, seed=7, schema_path=SCHEMA)
-        environ = {
-            **os.environ,
-            "STREAMTRAIN_KAFKA__BOOTSTRAP_SERVERS": broker.bootstrap_servers,
-            "STREAMTRAIN_KAFKA__TOPIC": "memory",
-            "STREAMTRAIN_METRICS__PORT": str(free_port()),
-            "STREAMTRAIN_CHECKPOINT__PATH": snapshots,
-            "STREAMTRAIN_DELIVERY__ENABLED": "false",  # the worker's own memory, without a delta publisher
-        }
+        # as bench e2e's workers: snapshots in the run's own folder, no delta publisher
+        environ = worker_environment(broker.bootstrap_servers, "memory", Path(folder) / "record", free_port())
         worker = subprocess.Popen(
             [sys.executable, "-m", "streamtrain", "worker", "--config", str(config_path)],
             env=environ,
