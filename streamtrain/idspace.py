@@ -774,6 +774,7 @@ class IdSpace:
             steps = mapped.steps
             rows, self.unsent_fresh = exchange.back(steps)
             self.awaiting_fresh = mapped
+            self._exchanged(exchange)
         self.to_reset.append(mapped)
         for name, step in steps.items():
             self._count(name, step, rows[name])
@@ -806,8 +807,14 @@ class IdSpace:
     def _gather_last_fresh(self) -> None:
         """An exchange of no ids, which carries the fresh rows of the step no later step carried."""
         no_ids = {t.name: _NO_ID_TENSOR for t in self.tables}
-        self._gathered(_Exchange(self, no_ids, 0, self.unsent_fresh).fresh)
+        exchange = _Exchange(self, no_ids, 0, self.unsent_fresh)
+        self._gathered(exchange.fresh)
         self.unsent_fresh = self._no_rows()
+        self._exchanged(exchange)
+
+    def _exchanged(self, exchange: _Exchange) -> None:
+        if self.metrics:
+            self.metrics.exchange_seconds.observe(exchange.seconds)
 
     def _gathered(self, fresh: dict[str, np.ndarray]) -> None:
         """Every rank's fresh rows of the step awaiting them (each rank's own, those its ids took)."""
@@ -916,6 +923,7 @@ class _Exchange:
         """``fresh``: the previous step's fresh rows among this rank's ids, per table."""
         self.group, world, self.names = id_space.group, id_space.world_size, list(own)
         self.world, tables = world, len(own)
+        self.seconds = 0.0  # in the all-to-alls: their latency and the wait for the slowest rank
         self.order: dict[str, np.ndarray] = {}  # per table: distinct ids by owner, as positions
         self.inverse: dict[str, np.ndarray] = {}  # per table: each own id's distinct id
         # per owner: newest, the longest message, the ids per table, the fresh rows per table
@@ -952,7 +960,7 @@ class _Exchange:
             for owner, payload in enumerate(payloads):
                 slots[owner, head : head + payload.size] = payload
         incoming = torch.empty(world * slot, dtype=torch.int64)
-        dist.all_to_all_single(incoming, torch.from_numpy(slots.reshape(-1)), group=self.group)
+        self._all_to_all(incoming, torch.from_numpy(slots.reshape(-1)))
         got_slots = incoming.numpy().reshape(world, slot)
         longest = int(got_slots[:, 1].max())
         id_space.slot = max(head, longest + longest // 4)  # room for the next step's sizes to grow
@@ -964,13 +972,7 @@ class _Exchange:
             received = [got_slots[sender, head : head + in_sizes[sender]] for sender in range(world)]
         else:
             exact = torch.empty(int(in_sizes.sum()), dtype=torch.int64)
-            dist.all_to_all_single(
-                exact,
-                torch.from_numpy(np.concatenate(payloads)),
-                in_sizes.tolist(),
-                out_sizes.tolist(),
-                group=self.group,
-            )
+            self._all_to_all(exact, torch.from_numpy(np.concatenate(payloads)), in_sizes.tolist(), out_sizes.tolist())
             received = _runs(exact.numpy(), in_sizes)
         # per sender: per table its ids and counts, then its fresh rows per table
         sizes = np.concatenate((np.repeat(self.got, 2, axis=1), fresh_got), axis=1)
@@ -994,7 +996,7 @@ class _Exchange:
         send = np.concatenate([answers[at][sender] for sender in range(world) for at in range(tables)])
         received = torch.empty(int(self.sent.sum()), dtype=torch.int64)
         in_sizes, out_sizes = self.sent.sum(1).tolist(), self.got.sum(1).tolist()
-        dist.all_to_all_single(received, torch.from_numpy(send), in_sizes, out_sizes, group=self.group)
+        self._all_to_all(received, torch.from_numpy(send), in_sizes, out_sizes)
         pieces = _runs(received.numpy(), self.sent.reshape(-1))  # per owner, per table
         rows, fresh = {}, {}
         for at, name in enumerate(self.names):
@@ -1006,6 +1008,17 @@ class _Exchange:
             rows[name] = torch.from_numpy(distinct_rows[self.inverse[name]])
             fresh[name] = in_order[flagged]
         return rows, fresh
+
+    def _all_to_all(
+        self,
+        output: torch.Tensor,
+        data: torch.Tensor,
+        in_sizes: list[int] | None = None,
+        out_sizes: list[int] | None = None,
+    ) -> None:
+        started = time.perf_counter()
+        dist.all_to_all_single(output, data, in_sizes, out_sizes, group=self.group)
+        self.seconds += time.perf_counter() - started
 
 
 def _slot_head(tables: int) -> int:

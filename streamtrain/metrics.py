@@ -288,6 +288,13 @@ class IdSpaceMetrics:
             buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
             registry=registry,
         )
+        self.exchange_seconds = Histogram(
+            "streamtrain_idspace_exchange_seconds",
+            "Time one exchange of a step's ids spent in its all-to-alls on this rank (at 2 or more ranks): the "
+            "collectives' latency and the wait for the slowest rank. Part of streamtrain_idspace_step_seconds.",
+            buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
+            registry=registry,
+        )
 
 
 class LateLabelMetrics:

@@ -592,6 +592,14 @@ def test_idspace_benchmark_trains_one_drifting_stream_hash_managed_and_reference
     assert len(saved["throughput_ratio_by_round"]) == 9  # the rounds after the warm-up
     assert saved["throughput_ratio_2_ranks"] == statistics.median(saved["throughput_ratio_2_ranks_by_round"]) > 0
     assert "at 2 ranks: throughput managed / hash" in printed and "ns an id on one thread" in printed
+    # where the managed leg's time went, from its id space's metrics: the map is part of the step,
+    # and at 2 ranks its all-to-alls part of the map
+    assert 0 < legs["managed"]["map_seconds_per_step"] < legs["managed"]["seconds_per_step"]
+    assert "map_seconds_per_step" not in legs["hash"] and legs["hash"]["seconds_per_step"] > 0
+    assert 0 < saved["exchange_seconds_per_step_2_ranks"] < saved["map_seconds_per_step_2_ranks"]
+    assert saved["map_seconds_per_step_2_ranks"] < saved["seconds_per_step_2_ranks"]["managed"]
+    # at 1 and 2 ranks, and in the tailed leg
+    assert printed.count("the managed leg's map took") == 3 and "ms in its all-to-alls" in printed
     tailed = saved["tailed"]
     assert tailed["drift"]["one_off"] == pytest.approx(1 / 3) and tailed["managed_admission"] == {"min_count": 2}
     assert "scale" not in tailed  # the scale leg reads no stream: it runs once

@@ -92,6 +92,9 @@ def test_exactly_once_across_sigkills_with_eviction_active_and_a_restore_on_fewe
                         assert per_table(s, "streamtrain_idspace_memory_bytes", name) > 0
                 assert sum(per_table(s, "streamtrain_idspace_evictions_total", "user_id") for s in samples) > 0
                 assert all(s.get("streamtrain_idspace_step_seconds_count", 0) > 5 for s in samples)
+                # two ranks exchange each step's ids, and time the exchanges' all-to-alls
+                assert all(s.get("streamtrain_idspace_exchange_seconds_count", 0) > 5 for s in samples)
+                assert all(s["streamtrain_idspace_exchange_seconds_sum"] > 0 for s in samples)
                 assert sum(per_table(s, "streamtrain_idspace_unknown_lookups_total", "adgroup_id") for s in samples) > 0
             time.sleep(rng.uniform(0.0, 2.0))
             victim = rng.choice(["rank 0", "rank 1", "all"])

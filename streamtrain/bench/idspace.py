@@ -16,12 +16,13 @@ segment by segment of the stream, so that a load change on a shared machine hits
 leg's throughput counts decoding and training after its first segment (the warm-up). Reported:
 each leg's progressive (test-then-train) AUC over the last --window events, the Bayes AUC of those
 events, and the throughput ratio managed / hash: the median over the segments after the first of
-the hash leg's seconds over the managed leg's (``throughput_ratio_by_round`` gives the spread).
-Then the same two legs at 2 real ranks (``streamtrain/bench/idspace_ranks.py``,
-``throughput_ratio_2_ranks``). The goals: managed wins back at least half of what collisions cost
-(managed - hash >= 0.5 x (reference - hash)), at a throughput ratio of 0.95 or more at 1 and 2
-ranks. Without a managed mapping in this build the two hash legs run, and the run fails with the
-reason.
+the hash leg's seconds over the managed leg's (``throughput_ratio_by_round`` gives the spread),
+and where the managed leg's time went: each leg's ``seconds_per_step`` and the managed leg's
+``map_seconds_per_step`` (its ``streamtrain_idspace_step_seconds``). Then the same two legs at 2
+real ranks (``streamtrain/bench/idspace_ranks.py``, ``throughput_ratio_2_ranks``). The goals:
+managed wins back at least half of what collisions cost (managed - hash >= 0.5 x (reference -
+hash)), at a throughput ratio of 0.95 or more at 1 and 2 ranks. Without a managed mapping in this
+build the two hash legs run, and the run fails with the reason.
 
 Then the tailed leg (issue 40): the same three legs on the same stream with a one-off tail
 (--one-off, default a third of the events' users and of their ads are ids seen in that event
@@ -43,9 +44,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from prometheus_client import CollectorRegistry
 
 from streamtrain.bench.common import machine
-from streamtrain.bench.idspace_ranks import two_rank_ratio
+from streamtrain.bench.idspace_ranks import map_seconds, two_rank_ratio
 from streamtrain.bench.idspace_scale import lines as scale_lines
 from streamtrain.bench.idspace_scale import scale_leg
 
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
     from streamtrain.config import WorkerConfig
     from streamtrain.decode import AvroBatchDecoder
     from streamtrain.dev.drift import Drift
-    from streamtrain.metrics import ProgressiveQuality
+    from streamtrain.metrics import IdSpaceMetrics, ProgressiveQuality
     from streamtrain.source import RawEvent
     from streamtrain.train import Trainer
 
@@ -254,6 +256,13 @@ def bench_idspace(
     return result
 
 
+def _map_share(mapping: float, managed: float, hashed: float) -> str:
+    return (
+        f"the managed leg's map took {mapping * 1e3:.2f} ms of its {managed * 1e3:.2f} ms a step "
+        f"(decoding and training; the hash leg's {hashed * 1e3:.2f} ms)"
+    )
+
+
 def _admission(config: WorkerConfig, tables: list[str]) -> dict | None:
     """The admission of the managed leg's tables (the config's default unless --managed sets one)."""
     admission = next(t.admission for t in config.features.tables if t.name == tables[0])
@@ -318,22 +327,29 @@ class _Leg:
     trainer: Trainer
     decoder: AvroBatchDecoder
     quality: ProgressiveQuality
+    registry: CollectorRegistry  # the trainer's id-space metrics
     events: int = 0  # counted after the warm-up segment
     seconds: float = 0.0
     rounds: list[float] = field(default_factory=list)  # seconds of each segment after the warm-up
+    steps: int = 0  # after the warm-up, like the map's seconds
+    map_seconds: float = 0.0
 
     @property
     def events_per_second(self) -> float:
         return self.events / self.seconds if self.seconds else 0.0
 
     def summary(self, auc: float) -> dict:
-        return {
+        summary = {
             "rows": self.rows,
             "state_bytes": state_bytes(self.trainer),  # once trained: what it holds at the end
             "progressive_auc": auc,
             "events_per_second": self.events_per_second,
             "device": self.trainer.env.device.type,
+            "seconds_per_step": self.seconds / self.steps if self.steps else 0.0,  # decoding and training
         }
+        if self.trainer.id_space is not None:
+            summary["map_seconds_per_step"] = self.map_seconds / self.steps if self.steps else 0.0
+        return summary
 
 
 def _build_legs(
@@ -345,7 +361,7 @@ def _build_legs(
 ) -> dict[str, _Leg]:
     from streamtrain.decode import AvroBatchDecoder
     from streamtrain.device import init_distributed
-    from streamtrain.metrics import ProgressiveQuality
+    from streamtrain.metrics import IdSpaceMetrics, ProgressiveQuality
 
     env = init_distributed(device=device)
     rows = {name: leg_rows for name, (_config_at, leg_rows) in specs.items()}
@@ -358,14 +374,16 @@ def _build_legs(
     for name in (leg for leg in LEGS if leg in specs):
         config = specs[name][0](rows[name])
         decoder = AvroBatchDecoder(config.features, tasks=config.tasks())
-        legs[name] = _Leg(config, rows[name], _trainer(config, env), decoder, ProgressiveQuality(window))
+        registry = CollectorRegistry()
+        trainer = _trainer(config, env, IdSpaceMetrics(registry))
+        legs[name] = _Leg(config, rows[name], trainer, decoder, ProgressiveQuality(window), registry)
     return legs
 
 
-def _trainer(config: WorkerConfig, env: Any) -> Trainer:
+def _trainer(config: WorkerConfig, env: Any, id_space_metrics: IdSpaceMetrics | None = None) -> Trainer:
     from streamtrain.train import Trainer
 
-    return Trainer(config, env)
+    return Trainer(config, env, id_space_metrics)
 
 
 def _state_after_a_step(config: WorkerConfig, env: Any, events: list[RawEvent]) -> int:
@@ -441,11 +459,14 @@ def _train_in_turn(legs: dict[str, _Leg], events: list[RawEvent], progress: Call
         for turn in range(len(names)):
             name = names[(segment + turn) % len(names)]
             leg = legs[name]
+            mapped_before = map_seconds(leg.registry)[0]
             seconds = _train_segment(leg, events[start:end])
             if segment > 0 or len(bounds) == 2:
                 leg.events += int(end - start)
                 leg.seconds += seconds
                 leg.rounds.append(seconds)
+                leg.steps += -(-int(end - start) // leg.config.batching.batch_size)
+                leg.map_seconds += map_seconds(leg.registry)[0] - mapped_before
         shown = ", ".join(f"{n} {legs[n].quality.compute()['window']['auc']:.4f}" for n in names)
         progress(f"segment {segment + 1}/{len(bounds) - 1}: {end:,} events; progressive AUC {shown}")
 
@@ -505,6 +526,16 @@ def _stream_table(result: dict) -> str:
         f"  throughput managed / hash {result['throughput_ratio']:.3f}{rounds}, goal >= {goals['throughput_ratio']}: "
         f"{'met' if goals['throughput_met'] else 'missed'}"
     )
+    legs = result["legs"]
+    if "map_seconds_per_step" in legs["managed"]:  # results written before it was measured have none
+        lines.append(
+            "    "
+            + _map_share(
+                legs["managed"]["map_seconds_per_step"],
+                legs["managed"]["seconds_per_step"],
+                legs["hash"]["seconds_per_step"],
+            )
+        )
     if "throughput_ratio_2_ranks" in result:
         by_round = result["throughput_ratio_2_ranks_by_round"]
         lines.append(
@@ -512,4 +543,8 @@ def _stream_table(result: dict) -> str:
             f"{len(by_round)} rounds, {min(by_round):.3f}-{max(by_round):.3f}), goal >= {goals['throughput_ratio']}: "
             f"{'met' if goals['throughput_2_ranks_met'] else 'missed'}"
         )
+        if "map_seconds_per_step_2_ranks" in result:
+            per_step = result["seconds_per_step_2_ranks"]
+            share = _map_share(result["map_seconds_per_step_2_ranks"], per_step["managed"], per_step["hash"])
+            lines.append(f"    {share}; {result['exchange_seconds_per_step_2_ranks'] * 1e3:.2f} ms in its all-to-alls")
     return "\n".join(lines + (scale_lines(result["scale"]) if "scale" in result else []))

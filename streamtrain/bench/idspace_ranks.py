@@ -7,6 +7,11 @@ alternating: a round is one tenth, and its ratio is the hash leg's seconds over 
 leg's. A global step is 2 x batch_size events, dealt evenly over the ranks; a rank's seconds are
 its decoding and training, and a round's are the slower rank's. The first round warms up and is
 not counted. ``throughput_ratio_2_ranks`` is the median of the rounds' ratios.
+
+Where the managed leg's time goes, from its id-space metrics (``streamtrain_idspace_*``), per step
+and averaged over the ranks, after the warm-up: ``map_seconds_per_step_2_ranks``, the whole map
+(exchange included), and ``exchange_seconds_per_step_2_ranks``, its all-to-alls alone; beside
+``seconds_per_step_2_ranks``, each leg's decoding and training a step (the slower rank's).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+
+from prometheus_client import CollectorRegistry
 
 from streamtrain.bench.ranks import run_ranks
 
@@ -38,16 +45,32 @@ def two_rank_ratio(legs: dict[str, dict], payloads: list[bytes], rounds: int, pr
     seconds = {name: [max(r["seconds"][name][at] for r in ranks) for at in range(rounds)] for name in legs}
     by_round = [hashed / managed for hashed, managed in zip(seconds["hash"][1:], seconds["managed"][1:], strict=True)]
     ratio = statistics.median(by_round)
+    steps = sum(ranks[0]["steps"][1:])  # after the warm-up round
+    per_step = {name: sum(times[1:]) / steps for name, times in seconds.items()}
+    mapping, exchange = (statistics.mean(sum(r[key][1:]) / steps for r in ranks) for key in ("map", "exchange"))
     progress(
         f"2 ranks: managed / hash events/s {ratio:.3f} (median of {len(by_round)} rounds, "
-        f"{min(by_round):.3f}-{max(by_round):.3f}) in {time.perf_counter() - started:.0f}s"
+        f"{min(by_round):.3f}-{max(by_round):.3f}) in {time.perf_counter() - started:.0f}s; the map "
+        f"{mapping * 1e3:.2f} ms a step, {exchange * 1e3:.2f} ms of it in its all-to-alls"
     )
     events = len(payloads) - len(payloads) // rounds  # after the warm-up round
     return {
         "throughput_ratio_2_ranks": ratio,
         "throughput_ratio_2_ranks_by_round": by_round,
         "events_per_second_2_ranks": {name: events / sum(times[1:]) for name, times in seconds.items()},
+        "seconds_per_step_2_ranks": per_step,
+        "map_seconds_per_step_2_ranks": mapping,
+        "exchange_seconds_per_step_2_ranks": exchange,
     }
+
+
+def map_seconds(registry: CollectorRegistry) -> tuple[float, float]:
+    """The seconds an id space with metrics in ``registry`` has spent so far mapping steps, and in
+    its exchanges' all-to-alls (0 without managed tables)."""
+    return (
+        registry.get_sample_value("streamtrain_idspace_step_seconds_sum") or 0.0,
+        registry.get_sample_value("streamtrain_idspace_exchange_seconds_sum") or 0.0,
+    )
 
 
 def rank_main(legs: dict[str, dict], stream: str, rounds: int) -> dict:
@@ -56,24 +79,30 @@ def rank_main(legs: dict[str, dict], stream: str, rounds: int) -> dict:
     from streamtrain.bench.idspace import leg_config
     from streamtrain.decode import AvroBatchDecoder
     from streamtrain.device import init_distributed
+    from streamtrain.metrics import IdSpaceMetrics
     from streamtrain.source import RawEvent
     from streamtrain.train import Trainer
 
     env = init_distributed(device="cpu")
     payloads: list[bytes] = pickle.loads(Path(stream).read_bytes())
     events = [RawEvent(0, offset, value, 0) for offset, value in enumerate(payloads)]
-    trainers, decoders = {}, {}
+    trainers, decoders, registries = {}, {}, {}
     for name, arguments in legs.items():
         config = leg_config(**arguments)
-        trainers[name], decoders[name] = Trainer(config, env), AvroBatchDecoder(config.features, tasks=config.tasks())
+        registries[name] = CollectorRegistry()
+        trainers[name] = Trainer(config, env, IdSpaceMetrics(registries[name]))
+        decoders[name] = AvroBatchDecoder(config.features, tasks=config.tasks())
     size = WORLD_SIZE * leg_config(**legs["hash"]).batching.batch_size
     bounds = np.linspace(0, len(events), rounds + 1).astype(int)
     seconds: dict[str, list[float]] = {name: [] for name in legs}
+    # the managed leg's, per round
+    taken: dict[str, list[float]] = {"steps": [], "map": [], "exchange": []}
     names = list(legs)
     for at in range(rounds):
         part = events[bounds[at] : bounds[at + 1]]
         for turn in range(len(names)):
             name = names[(at + turn) % len(names)]
+            before = map_seconds(registries[name])
             started = time.perf_counter()
             steps = [part[i : i + size] for i in range(0, len(part), size)]
             batches = [
@@ -83,4 +112,9 @@ def rank_main(legs: dict[str, dict], stream: str, rounds: int) -> dict:
             for _result in trainers[name].train(batches):
                 pass
             seconds[name].append(time.perf_counter() - started)
-    return {"seconds": seconds}
+            if name == "managed":
+                after = map_seconds(registries[name])
+                taken["steps"].append(len(steps))
+                taken["map"].append(after[0] - before[0])
+                taken["exchange"].append(after[1] - before[1])
+    return {"seconds": seconds, **taken}
