@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import yaml
+from prometheus_client import CollectorRegistry
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from conftest import REPO, SCHEMA, join_as_spawned_rank, leave_spawned_rank
@@ -37,6 +38,7 @@ from streamtrain.idspace import (
     bucket_start,
     whole_map,
 )
+from streamtrain.metrics import IdSpaceMetrics
 from streamtrain.source import RawEvent
 from streamtrain.threads import IDAHEAD, IDMAP
 from streamtrain.train import Trainer
@@ -397,6 +399,43 @@ def test_the_cut_tells_deltas_each_rows_raw_id_and_what_was_evicted_since_a_step
     assert id_space.step == 2
     assert id_space.evicted_since("user_id", 1) is None  # the log starts afresh at the cut
     assert len(id_space.evicted_since("user_id", 2)) == 0
+
+
+def test_the_id_space_metrics_count_each_step_and_read_the_map_when_scraped():
+    """Counters add each step's admissions, evictions and unknown lookups; the rows in use and the
+    memory (the undo of the steps in flight included) are read from the map when scraped."""
+    config = parse_config(managed_raw(rows={"user_id": 40}), environ={})
+    decoder = AvroBatchDecoder(config.features)
+    registry = CollectorRegistry()
+    id_space = IdSpace(config.features, 1, None, IdSpaceMetrics(registry))
+    table = id_space.mapping.tables["user_id"]
+
+    def sample(name: str, **labels: str) -> float:
+        value = registry.get_sample_value(name, {"table": "user_id", **labels})
+        assert value is not None, name
+        return value
+
+    admitted = evicted = unknown = 0
+    for events in global_batches(3):
+        batch = id_space.translate(decoder.decode(events).batch)
+        step = id_space.in_flight[-1].steps["user_id"]
+        admitted, evicted = admitted + len(step.assigned), evicted + len(step.evicted)
+        user_rows = batch.sparse_features["user_id"].values()
+        unknown += int((user_rows == table.unknown_row).sum())
+    assert evicted > 0 and unknown > 0  # 40 rows, so the steps evict, and waiting ids read the unknown row
+    assert sample("streamtrain_idspace_admissions_total") == admitted
+    assert sample("streamtrain_idspace_evictions_total", reason="capacity") == evicted
+    assert sample("streamtrain_idspace_evictions_total", reason="ttl") == 0
+    assert sample("streamtrain_idspace_unknown_lookups_total") == unknown
+    assert sample("streamtrain_idspace_rows_in_use") == table.occupied > 0
+    in_flight = sample("streamtrain_idspace_memory_bytes")
+    assert in_flight > table.memory_bytes()
+    for _ in range(3):
+        id_space.before_forward()
+        id_space.trained()
+    assert sample("streamtrain_idspace_memory_bytes") == table.memory_bytes() < in_flight  # no step in flight
+    assert registry.get_sample_value("streamtrain_idspace_step_seconds_count") == 3
+    assert registry.get_sample_value("streamtrain_idspace_exchange_seconds_count") == 0  # one rank exchanges nothing
 
 
 # --- real ranks -----------------------------------------------------------------------------------
