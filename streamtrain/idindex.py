@@ -12,8 +12,9 @@ always ends a probe.
 Every operation is a numba loop over numpy arrays. The layout depends only on the order of the
 inserts and deletes, which every rank performs alike; lookups do not depend on the layout at all.
 
-``distinct`` is the same probe over a scratch table: a step's distinct ids and their counts in one
-pass, where a sort (``torch.unique``, ``np.unique``) costs log n passes.
+A step's distinct ids are found by the same probe over a scratch table
+(``streamtrain.idstep.distinct_hashed``): one pass, where a sort (``torch.unique``, ``np.unique``)
+costs log n passes.
 """
 
 from __future__ import annotations
@@ -75,15 +76,6 @@ def scaled(hashed: np.uint64, size: int) -> np.int64:
 @njit(cache=True, nogil=True, boundscheck=False)
 def _home(key: np.int64, size: int) -> np.int64:
     return scaled(mix(np.uint64(key)), size)
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def salted_homes(keys: I64, salt: np.uint64, size: int) -> I64:
-    """Each key's salted hash scaled to [0, size): a home independent of the index's."""
-    homes = np.empty(keys.shape[0], dtype=np.int64)
-    for i in range(keys.shape[0]):
-        homes[i] = scaled(mix(np.uint64(keys[i]) ^ salt), size)
-    return homes
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
@@ -150,46 +142,6 @@ def delete_rows(slots: np.ndarray, ids: I64, rows: I64) -> int:
                 hole = at
         slots[hole] = EMPTY
     return missing
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _distinct(values: I64, weights: I64, weighted: bool, unique: I64, sums: I64, inverse: I64) -> int:
-    size = 2 * values.shape[0] + 1  # at most half full: short probes
-    table = np.full(size, EMPTY, dtype=np.int64)  # each slot's position in unique
-    found = 0
-    for i in range(values.shape[0]):
-        value = values[i]
-        weight = weights[i] if weighted else 1
-        at = _home(value, size)
-        while True:
-            known = table[at]
-            if known == EMPTY:
-                table[at] = found
-                unique[found] = value
-                sums[found] = weight
-                inverse[i] = found
-                found += 1
-                break
-            if unique[known] == value:
-                sums[known] += weight
-                inverse[i] = known
-                break
-            at += 1
-            if at == size:
-                at = 0
-    return found
-
-
-_UNWEIGHTED = np.zeros(0, np.int64)
-
-
-def distinct(values: I64, weights: I64 | None = None) -> tuple[I64, I64, I64]:
-    """The distinct ``values`` in the order they first appear, each one's count (or the sum of its
-    ``weights``), and each value's position among them."""
-    n = values.shape[0]
-    unique, sums, inverse = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
-    found = _distinct(values, _UNWEIGHTED if weights is None else weights, weights is not None, unique, sums, inverse)
-    return unique[:found], sums[:found], inverse
 
 
 class IdIndex:

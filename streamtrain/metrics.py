@@ -241,6 +241,10 @@ class Health:
         return 503, f"not ready: {self.not_ready_reason}\n"
 
 
+# from a few ids on one rank (100 us) to a step whose exchange waits on a slow rank (1 s)
+_MAP_SECONDS = (0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0)
+
+
 class IdSpaceMetrics:
     """Managed tables' id space (streamtrain/idspace.py), labelled table=<name>. Each rank holds and
     maps the buckets it owns, so its rows, occupancy, admissions, evictions and memory are its
@@ -285,14 +289,14 @@ class IdSpaceMetrics:
             "streamtrain_idspace_step_seconds",
             "Time to map one step's batch on this rank, every managed table: the ids sent to the ranks owning "
             "their buckets, mapped there, and their rows back.",
-            buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
+            buckets=_MAP_SECONDS,
             registry=registry,
         )
         self.exchange_seconds = Histogram(
             "streamtrain_idspace_exchange_seconds",
             "Time one exchange of a step's ids spent in its all-to-alls on this rank (at 2 or more ranks): the "
             "collectives' latency and the wait for the slowest rank. Part of streamtrain_idspace_step_seconds.",
-            buckets=(0.0001, 0.0003, 0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1.0),
+            buckets=_MAP_SECONDS,
             registry=registry,
         )
 

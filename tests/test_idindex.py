@@ -1,12 +1,14 @@
-"""The open-addressing id index (streamtrain/idindex.py) against a dict under heavy churn, and its
-one-pass ``distinct`` against numpy's sort-based unique."""
+"""The open-addressing id index (streamtrain/idindex.py) against a dict under heavy churn, and the
+one-pass ``distinct_hashed`` of a step's ids (streamtrain/idstep.py) against numpy's sort-based
+unique."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from streamtrain.idindex import MAX_LOAD, IdIndex, distinct
+from streamtrain.idindex import MAX_LOAD, IdIndex, mix
+from streamtrain.idstep import distinct_hashed
 
 
 @pytest.mark.parametrize("rows", [7, 1_000, 40_000])  # int16 slots below 2^15 rows, int32 beyond
@@ -67,11 +69,12 @@ def test_distinct_counts_and_sums_each_value_in_order_of_first_appearance(n):
     pool = np.concatenate(([np.iinfo(np.int64).min, -1, 0, np.iinfo(np.int64).max], rng.integers(-50, 50, 40)))
     values = rng.choice(pool, size=n).astype(np.int64)
     weights = rng.integers(1, 9, size=n).astype(np.int64)
-    unique, counts, inverse = distinct(values)
+    unique, hashes, counts, inverse = distinct_hashed(values, values, False)
     _, firsts = np.unique(values, return_index=True)
     assert unique.tolist() == values[np.sort(firsts)].tolist()
     assert (unique[inverse] == values).all()
+    assert hashes.tolist() == [mix(np.uint64(v)) for v in unique]  # the index's home for each
     assert counts.tolist() == [int((values == v).sum()) for v in unique]
-    unique_w, sums, inverse_w = distinct(values, weights)
+    unique_w, _hashes, sums, inverse_w = distinct_hashed(values, weights, True)
     assert unique_w.tolist() == unique.tolist() and inverse_w.tolist() == inverse.tolist()
     assert sums.tolist() == [int(weights[values == v].sum()) for v in unique]
