@@ -1090,6 +1090,17 @@ def _messages(
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def _table_bounds(per_rank: np.ndarray) -> np.ndarray:
+    """Where each table's part begins and ends when every rank's ``per_rank`` [rank, table] are put
+    together table by table: ``tables`` + 1 bounds."""
+    tables = per_rank.shape[1]
+    bounds = np.zeros(tables + 1, np.int64)
+    for t in range(tables):
+        bounds[t + 1] = bounds[t] + per_rank[:, t].sum()
+    return bounds
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def _received(
     buffer: np.ndarray, starts: np.ndarray, got: np.ndarray, fresh_got: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -1097,10 +1108,7 @@ def _received(
     ids in sender order, their counts, and the fresh rows likewise; and where each table's ids and
     fresh rows begin and end in those (``tables`` + 1 bounds each)."""
     world, tables = got.shape
-    id_bounds, fresh_bounds = np.zeros(tables + 1, np.int64), np.zeros(tables + 1, np.int64)
-    for t in range(tables):
-        id_bounds[t + 1] = id_bounds[t] + got[:, t].sum()
-        fresh_bounds[t + 1] = fresh_bounds[t] + fresh_got[:, t].sum()
+    id_bounds, fresh_bounds = _table_bounds(got), _table_bounds(fresh_got)
     ids, counts = np.empty(id_bounds[tables], np.int64), np.empty(id_bounds[tables], np.int64)
     fresh = np.empty(fresh_bounds[tables], np.int64)
     next_id, next_fresh = id_bounds[:tables].copy(), fresh_bounds[:tables].copy()
@@ -1146,9 +1154,7 @@ def _rows_back(
     rows, the rows given this step, in the order sent; each concatenated over the tables, with
     ``tables`` + 1 bounds each."""
     world, tables = sent.shape
-    sent_bounds = np.zeros(tables + 1, np.int64)
-    for t in range(tables):
-        sent_bounds[t + 1] = sent_bounds[t] + sent[:, t].sum()
+    sent_bounds = _table_bounds(sent)
     in_order = np.empty(sent_bounds[tables], np.int64)  # per table, the rows of the ids in the order sent
     next_at = sent_bounds[:tables].copy()
     at = 0

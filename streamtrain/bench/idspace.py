@@ -460,25 +460,25 @@ def _train_in_turn(legs: dict[str, _Leg], events: list[RawEvent], progress: Call
             name = names[(segment + turn) % len(names)]
             leg = legs[name]
             mapped_before = map_seconds(leg.registry)[0]
-            seconds = _train_segment(leg, events[start:end])
+            seconds, steps = _train_segment(leg, events[start:end])
             if segment > 0 or len(bounds) == 2:
                 leg.events += int(end - start)
                 leg.seconds += seconds
                 leg.rounds.append(seconds)
-                leg.steps += -(-int(end - start) // leg.config.batching.batch_size)
+                leg.steps += steps
                 leg.map_seconds += map_seconds(leg.registry)[0] - mapped_before
         shown = ", ".join(f"{n} {legs[n].quality.compute()['window']['auc']:.4f}" for n in names)
         progress(f"segment {segment + 1}/{len(bounds) - 1}: {end:,} events; progressive AUC {shown}")
 
 
-def _train_segment(leg: _Leg, events: list[RawEvent]) -> float:
-    """Decodes and trains ``events``; the seconds both took."""
+def _train_segment(leg: _Leg, events: list[RawEvent]) -> tuple[float, int]:
+    """Decodes and trains ``events``; the seconds both took, and the steps."""
     size = leg.config.batching.batch_size
     started = time.perf_counter()
     batches = [leg.decoder.decode(events[i : i + size]).batch for i in range(0, len(events), size)]
     for result in leg.trainer.train(batches):
         leg.quality.add(result.logits.numpy(), result.batch.labels.numpy())
-    return time.perf_counter() - started
+    return time.perf_counter() - started, len(batches)
 
 
 def table(result: dict) -> str:
