@@ -16,6 +16,8 @@ import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
 from prometheus_client.core import HistogramMetricFamily
 
+from streamtrain.config import ConfigError
+
 
 def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
     """Exact ROC AUC (ties count half), or NaN when only one class is present."""
@@ -609,7 +611,14 @@ class WorkerMetrics:
             def log_message(self, *args: object) -> None:  # scrapes every few seconds are not news
                 pass
 
-        self._server = ThreadingHTTPServer((host, port), Handler)
+        try:
+            self._server = ThreadingHTTPServer((host, port), Handler)
+        except OSError as error:  # a traceback would not say which setting to change
+            raise ConfigError(
+                f"metrics: cannot serve on {host}:{port}: {error.strerror}. Set metrics.host to an address of "
+                "this host and metrics.port to a free port (each rank serves on metrics.port + its local "
+                "rank; 0 takes any free port)"
+            ) from None
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, name="streamtrain-metrics", daemon=True).start()
         return self._server.server_address[1]

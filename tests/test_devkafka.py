@@ -7,11 +7,20 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
-from streamtrain.dev.kafka import CLAIM_SECONDS, PORT_CLAIMS, BrokerError, KafkaBroker, KafkaCluster, free_port
+from streamtrain.dev.kafka import (
+    CLAIM_SECONDS,
+    LOWEST_FREE_PORT,
+    PORT_CLAIMS,
+    BrokerError,
+    KafkaBroker,
+    KafkaCluster,
+    free_port,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -79,6 +88,17 @@ def test_ports_handed_out_are_free_and_not_handed_to_another_process_within_the_
     for taken in (port, port + 1):
         os.utime(PORT_CLAIMS / str(taken), (lapsed, lapsed))
     assert subprocess.run(other, capture_output=True, text=True, check=True).stdout.split() == ["True"]
+
+
+def test_ports_handed_out_lie_below_the_kernels_ephemeral_range():
+    """A port from the ephemeral range, free when handed out, may meanwhile become a connection's
+    source port or a listener's on port 0 (gloo's, torchrun's store) before its worker binds it."""
+    ephemeral_from = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    if ephemeral_from - LOWEST_FREE_PORT < 1000:
+        pytest.skip(f"this host's ephemeral range starts at {ephemeral_from}: no room below it")
+    for _ in range(20):
+        port = free_port(2)
+        assert port >= LOWEST_FREE_PORT and port + 1 < ephemeral_from
 
 
 def write(bootstrap_servers: str, topic: str, count: int, tag: bytes) -> None:

@@ -1,9 +1,11 @@
+import socket
 import warnings
 
 import numpy as np
 import pytest
 
-from streamtrain.metrics import ProgressiveQuality, TaskQualities, roc_auc
+from streamtrain.config import ConfigError
+from streamtrain.metrics import Health, ProgressiveQuality, TaskQualities, WorkerMetrics, roc_auc
 
 
 def brute_force_auc(scores, labels) -> float:
@@ -83,3 +85,19 @@ def test_per_step_quality_is_folded_in_bounded_chunks_with_the_same_figures():
     expected, figures = at_once.compute(), folded.compute()["clk"]
     for window in ("window", "lifetime"):
         assert figures[window] == pytest.approx(expected[window])
+
+
+def test_a_metrics_port_in_use_is_a_config_error_naming_the_settings_and_the_fix():
+    """Two workers on one host given one metrics port: the second says which setting to change,
+    where it crashed with a bare OSError traceback (the worker exits 2 on a ConfigError)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        metrics = WorkerMetrics()
+        with pytest.raises(ConfigError, match=rf"127\.0\.0\.1:{port}: Address already in use") as refused:
+            metrics.serve("127.0.0.1", port, Health(60))
+        assert "metrics.port" in str(refused.value) and "metrics.host" in str(refused.value)
+    metrics = WorkerMetrics()
+    assert metrics.serve("127.0.0.1", 0, Health(60)) > 0  # the port 0 the message offers
+    metrics.close()

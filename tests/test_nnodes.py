@@ -109,7 +109,7 @@ def test_nnodes_stop_together_fail_together_and_restore_exactly_once(kafka, topi
 
     # Both restarted: the same snapshot restored on both, every event trained once.
     nodes = start_nodes(start_worker, topic_name, "--until-end", env=env)
-    assert [node.wait(timeout=180) for node in nodes] == [0, 0], nodes[0].output()[-3000:]
+    assert [node.wait(timeout=180) for node in nodes] == [0, 0], "\n".join(n.output()[-3000:] for n in nodes)
     restored = [re.search(r"restored (\S+): step", node.output()) for node in nodes]
     assert restored[0] and restored[1] and restored[0][1] == restored[1][1]
     stream = final_stream(root)["stream"]

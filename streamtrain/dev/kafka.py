@@ -28,6 +28,7 @@ import contextlib
 import ctypes
 import fcntl
 import os
+import random
 import shutil
 import signal
 import socket
@@ -84,15 +85,36 @@ def _claim(ports: range) -> bool:
         return True
 
 
+# The lowest port free_port hands out below the ephemeral range: above the registered services
+# that a host is likeliest to run (Prometheus 9090, Kafka 9092, ...).
+LOWEST_FREE_PORT = 10_000
+
+
+def _below_ephemeral_ports() -> range | None:
+    """The ports between LOWEST_FREE_PORT and the kernel's ephemeral range, if that leaves room."""
+    try:
+        ephemeral_from = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    below = range(LOWEST_FREE_PORT, ephemeral_from)
+    return below if len(below) >= 1000 else None
+
+
 def free_port(count: int = 1) -> int:
     """A port p on 127.0.0.1 such that p, ..., p + count - 1 are free now and were handed to no
-    process on this machine within the last hour (a worker's rank r serves metrics on p + r)."""
+    process on this machine within the last hour (a worker's rank r serves metrics on p + r).
+
+    Taken below the kernel's ephemeral range where it leaves room: a port from that range, free
+    now, may become any new connection's source port, or the port of a listener bound to port 0
+    (gloo's pairs, torchrun's store), before the process it was meant for binds it. A worker's
+    metrics port went that way in a torchrun test: "Address already in use", 9 s after the pick."""
+    below = _below_ephemeral_ports()
     for _ in range(1000):
         with contextlib.ExitStack() as held:
-            first = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
             try:
+                first = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                first.bind(("127.0.0.1", random.randrange(below.start, below.stop - count) if below else 0))
+                port = first.getsockname()[1]
                 for following in range(port + 1, port + count):
                     held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)).bind(("127.0.0.1", following))
             except OSError:
