@@ -20,11 +20,12 @@ decided on this stack (torchrec 1.8, fbgemm-gpu-cpu 1.8, CPU, gloo; see NOTES.md
 
 How it scales: a table's map is split into a fixed number of virtual buckets (``buckets`` in its
 config), each a fixed range of rows, an id's bucket fixed by a salted hash of it. Each rank owns a
-contiguous run of buckets (so its rows are one range, indexed by one offset) and holds and maps
-only their ids: every step a rank sends each distinct id of its batch, with its count, to the
-bucket's owner and gets the row back (``_Exchange``), so the map's memory and work per rank fall as
-1 / world size. Buckets rather than ranks own rows, so the map never depends on the world size: a
-snapshot stores it per bucket, and a restore at another world size moves buckets whole.
+contiguous run of buckets (so its rows are one range, indexed by one offset) and holds and maps only
+their ids: every step a rank sends each distinct id of its batch, with its count, to the bucket's
+owner, and gets the row back with the next step's exchange (``_Exchange``: one all-to-all a step),
+so the map's memory and work per rank fall as 1 / world size. Buckets rather than ranks own rows, so
+the map never depends on the world size: a snapshot stores it per bucket, and a restore at another
+world size moves buckets whole.
 
 How it stays right:
   - **Rank-consistent.** A bucket's map is updated by the ids of that bucket alone, from every
@@ -40,33 +41,33 @@ How it stays right:
     before the forward pass of the batch that first uses it, not when the batch is mapped: the
     batches already in the pipeline may still train the row's old id.
   - **Exactly-once.** The pipeline maps batches ahead of training, so the map is up to two steps
-    ahead of the weights (three when mapped ahead, below). Each step records what it overwrote
-    (its ``Undo``: the rows it wrote and their old values, the low bits a halving dropped), held
-    while its batch is in flight; the map at the cut, which snapshots and deltas read, is a copy of
-    the arrays with those steps undone, made only when they ask. A restore maps the re-read
-    batches again from it.
-  - **Mapped one batch ahead** (``IdSpace.ahead``, ``batching.map_ahead``; on by default with
+    ahead of the weights, one more at several ranks, where a batch waits for the next one's exchange
+    to bring its rows back, and one more when mapped ahead (below). Each step records what it
+    overwrote (its ``Undo``: the rows it wrote and their old values, the low bits a halving
+    dropped), held while its batch is in flight; the map at the cut, which snapshots and deltas
+    read, is a copy of the arrays with those steps undone, made only when they ask. A restore maps
+    the re-read batches again from it.
+  - **Mapped one batch ahead** (``IdSpace.translated``, ``batching.map_ahead``; on by default with
     cuda). Batch N+1 is mapped on a thread of the id space's own while batch N trains, so the map's
-    work and its exchange's waits leave the training thread. Nothing above changes, for the map is
-    a function of the global steps alone, whenever it runs:
+    work and its exchange's waits leave the training thread. Nothing above changes, for the map is a
+    function of the global steps alone, whenever it runs:
       - a row evicted for N+1 may be one that N reads: N trains it as its old id's row, and the
         reset comes before N+1's forward pass, so the new id starts fresh and the old id's last
         update goes with the old id (it was evicted); the cut after N (N+1 undone) holds the old
         id there, with N's update in the weights. This is what the pipeline's own lookahead
-        already does, one batch deeper;
+        already does, one batch deeper (and what the exchange's rows coming back a step later do);
       - the cut: a lock covers each step's update of the map together with its place in flight,
         and the cut's readers (``state_dict``, ``raw_ids``, ``evicted_since``, ``step``), and is
         never held across a collective. The cut (the map less the steps in flight) changes only
         when a batch has trained, on the training thread, so the snapshot's cut and the delta's,
         both read on that thread between two steps, are one map;
       - the exchange: the id space's collectives run on its own gloo group, apart from the training
-        step's, and on one thread at a time (the mapper's while it lives: the gather of the last
-        step's fresh rows is handed to it), so every rank makes them in one order. No rank waits
+        step's, and all on the mapper's thread, so every rank makes them in one order. No rank waits
         on a map its peers have not started: a rank hands batch N to its mapper when it takes
         batch N-1 for the pipeline, and waits for N's map one pipeline step later, past that
         step's collectives, which its peers reach only after they took N-1 too;
       - a paused stream needs one more empty step to train its last real batch
-        (``Trainer.lookahead``, which the lockstep counts).
+        (``IdSpace.batches_held``, in ``Trainer.lookahead``, which the lockstep counts).
 
 Memory: each rank's buckets' share of the map, made at full size. Per row, the raw id (int64) and whether it is in
 use (bool), plus only what the policy reads: the step last seen (uint32, as an age modulo 2^32) for
@@ -91,7 +92,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
@@ -140,7 +141,7 @@ _STEP_MASK = (1 << 32) - 1
 _EVICTION_LOG_STEPS = 10_000
 # The fewest ids a helper thread takes: below it, handing a slice over costs about what it saves.
 MIN_SLICE_IDS = 8_192
-# Batches ``IdSpace.ahead`` takes ahead of those it hands on: one is mapped while the trainer trains.
+# Batches mapping ahead takes ahead of those it hands on: one is mapped while the trainer trains.
 MAPPED_AHEAD = 1
 
 
@@ -228,7 +229,6 @@ class TableStep:
     step: int
     rows: torch.Tensor  # the row of each id given, in order (the unknown row for ids without one)
     unknown: torch.Tensor  # bool per id given: it reads the unknown row
-    fresh: torch.Tensor  # bool per id given: its row was given to it this step
     evicted: Evictions  # ids evicted for lack of room
     assigned: torch.Tensor  # rows given to new ids, which start fresh
     expired: Evictions  # ids evicted by ttl
@@ -392,7 +392,6 @@ class TableIds:
             step=step,
             rows=torch.from_numpy(done.rows),
             unknown=torch.from_numpy(done.unknown),
-            fresh=torch.from_numpy(done.fresh),
             evicted=Evictions(torch.from_numpy(done.victims + self.start), torch.from_numpy(done.evicted_ids)),
             assigned=torch.from_numpy(done.assigned + self.start),
             expired=expired,
@@ -630,28 +629,61 @@ class IdMapping:
 
 @dataclass
 class _Mapped:
-    """A batch mapped ahead of training: what its step did to each table (with its undo, which the
-    cut needs until the batch has trained), and the rows to reset before its forward pass."""
+    """A batch's step, mapped and not yet trained: what it did to each table (with its undo, which
+    the cut needs until the batch has trained), and the rows to reset before its forward pass."""
 
     steps: dict[str, TableStep]  # of this rank's buckets
     step: int
-    # rows given to new ids in every rank's buckets, ascending; None until gathered from the ranks
+    # rows given to new ids in every rank's buckets, ascending; None until they come back from the ranks
     fresh: dict[str, torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class _Awaited:
+    """This rank's last step, whose rows are still with the owners of their buckets: the next
+    exchange brings them back, with every owner's fresh rows."""
+
+    mapped: _Mapped
+    sent: np.ndarray  # [owner, table]: how many ids this rank sent each owner
+    positions: tuple[np.ndarray, ...]  # per table: each own id's place among those sent
+
+
+@dataclass(frozen=True)
+class _Owed:
+    """What this rank's buckets owe the other ranks from their last step, which the next exchange
+    carries: the rows of every sender's ids, and the rows given to new ids."""
+
+    rows: tuple[np.ndarray, ...]  # per table: the rows of every sender's ids, in sender order
+    got: np.ndarray  # [sender, table]: how many ids each sender sent
+    fresh: tuple[np.ndarray, ...]  # per table
+
+    @staticmethod
+    def nothing(tables: int, world: int) -> _Owed:
+        return _Owed((_NO_ROWS,) * tables, np.zeros((world, tables), np.int64), (_NO_ROWS,) * tables)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A batch taken and not yet handed on: its KJT's values (in numpy) and each managed table's span of them."""
+
+    batch: ClickBatch
+    values: np.ndarray
+    spans: dict[str, slice]
+
+
 class IdSpace:
-    """The managed tables' id space on one rank: maps each step's batch (``translate``), resets
+    """The managed tables' id space on one rank: maps each step's batch (``translated``), resets
     the rows it gave away before that batch trains (``before_forward``), and gives the map at the
     cut (the map less the steps of the batches still in flight) to snapshots and deltas. Every rank
     calls each method at the same step.
 
-    ``ahead`` maps each batch on a thread of its own while the caller trains the batches before it.
-    The cut's readers and the mapper meet at ``lock``, which covers a step's update of the map
-    together with its place in flight, and is never held across a collective: the cut (the map
-    less the steps in flight) changes only when a batch has trained, on the training thread, so a
-    snapshot and a delta cut taken between two steps read one map, whatever the mapper is doing.
-    Every collective of the id space (its own gloo group's) is made on one thread at a time: the
-    mapper's while it lives, so every rank makes them in the same order."""
+    ``translated(..., ahead=True)`` maps each batch on a thread of its own while the caller trains
+    the batches before it. The cut's readers and the mapper meet at ``lock``, which covers a step's
+    update of the map together with its place in flight, and is never held across a collective:
+    the cut (the map less the steps in flight) changes only when a batch has trained, on the
+    training thread, so a snapshot and a delta cut taken between two steps read one map, whatever
+    the mapper is doing. Every collective of the id space (its own gloo group's) is made on the
+    thread that maps, so every rank makes them in the same order."""
 
     def __init__(
         self,
@@ -676,14 +708,14 @@ class IdSpace:
             t.name: np.repeat(ranks, [len(owned_buckets(t, r, world_size)) for r in range(world_size)])
             for t in self.tables
         }
-        self.lock = threading.Lock()  # over the map, in_flight and the eviction log (``ahead``)
+        self.lock = threading.Lock()  # over the map, in_flight and the eviction log (mapping ahead)
         self.in_flight: deque[_Mapped] = deque()  # mapped, not yet trained: the cut undoes them
         self.to_reset: deque[_Mapped] = deque()  # mapped, forward pass not yet started
-        self.mapper: ThreadPoolExecutor | None = None  # while ``ahead`` maps on a thread of its own
-        # The newest step (``awaiting_fresh``) whose fresh rows are not yet gathered, and those of
-        # them this rank's own ids took (``unsent_fresh``), which the next exchange carries.
-        self.awaiting_fresh: _Mapped | None = None
-        self.unsent_fresh = self._no_rows()
+        self.held: deque[_Held] = deque()  # taken by ``translated``, their rows not yet back
+        # At several ranks: the last step, whose rows its owners send back with the next exchange,
+        # and what this rank's buckets owe the others from it, which that exchange carries.
+        self.awaited: _Awaited | None = None
+        self.owed = _Owed.nothing(len(self.tables), world_size)
         self.slot = _slot_head(len(self.tables))  # the exchange's, which every rank agrees on
         self.resetter: RowResetter | None = None
         self.eviction_log: dict[str, deque[tuple[int, Evictions]]] = {t.name: deque() for t in self.tables}
@@ -706,49 +738,81 @@ class IdSpace:
                 )
 
     # --- the stage -------------------------------------------------------------------------
-    def ahead(self, batches: Iterator[ClickBatch]) -> Iterator[ClickBatch]:
-        """``batches`` translated, each mapped on a thread of the id space's own (``st-idahead``)
-        while the caller trains the batches before it, so that the map's work and its exchange's
-        waits overlap the training step. Batches are taken from ``batches`` on the caller's thread,
-        in order, one ahead of those handed on (``MAPPED_AHEAD``: a paused stream needs one more
-        empty step to train the last real batch); the cut leaves the one mapped ahead out, like any
-        batch in flight, until it has trained."""
+    def batches_held(self, ahead: bool) -> int:
+        """How many batches ``translated`` takes ahead of the one it hands on: at several ranks one,
+        whose rows come back with the next batch's exchange; ``ahead`` maps one more on its thread."""
+        return (1 if self.world_size > 1 else 0) + (MAPPED_AHEAD if ahead else 0)
+
+    def translated(self, batches: Iterable[ClickBatch], ahead: bool = False) -> Iterator[ClickBatch]:
+        """``batches`` with their managed tables' raw ids replaced by rows, in order.
+
+        At several ranks a step makes one all-to-all: its ids go to the ranks that own their
+        buckets, and in the same messages come back the rows of the step before, with the rows the
+        owners gave new ids then (which every rank resets). So a batch is handed on once the next
+        one has been taken, and the last one after an exchange of no ids when ``batches`` ends; the
+        cut leaves it out until it has trained, like any batch in flight (``batches_held``: a paused
+        stream needs as many more empty steps to train its last real batch).
+
+        ``ahead``: each batch is mapped on a thread of the id space's own (``st-idahead``) while the
+        caller trains the batches before it, so that the map's work and its exchange's waits overlap
+        the training step. Batches are taken from ``batches`` on the caller's thread, in order, one
+        more ahead of those handed on (``MAPPED_AHEAD``)."""
+        if not ahead:
+            for batch in batches:
+                yield from self._take(batch)
+            yield from self._take(None)
+            return
         with ThreadPoolExecutor(
             1, thread_name_prefix=IDAHEAD, initializer=name_this_thread, initargs=(IDAHEAD,)
         ) as mapper:
-            self.mapper = mapper
-            try:
-                mapping: Future[ClickBatch] | None = None
-                for batch in batches:
-                    upcoming = mapper.submit(self.translate, batch)
-                    if mapping is not None:
-                        yield mapping.result()
-                    mapping = upcoming
-                if mapping is not None:
-                    yield mapping.result()
-            finally:
-                self.mapper = None
+            taking: Future[list[ClickBatch]] | None = None
+            for batch in batches:
+                upcoming = mapper.submit(self._take, batch)
+                if taking is not None:
+                    yield from taking.result()
+                taking = upcoming
+            if taking is not None:
+                yield from taking.result()
+            yield from mapper.submit(self._take, None).result()
 
     def translate(self, batch: ClickBatch) -> ClickBatch:
-        """``batch`` with its managed tables' raw ids replaced by rows: each id is sent to the rank
-        that owns its bucket, mapped there, and its row sent back."""
+        """``batch`` alone, translated: at several ranks, its exchange and one that brings its rows back."""
+        (translated,) = self.translated([batch])
+        return translated
+
+    def _take(self, batch: ClickBatch | None) -> list[ClickBatch]:
+        """Maps ``batch``'s step (None: none, the stream has ended); the batches whose rows came back."""
         started = time.perf_counter()
-        features = batch.sparse_features
-        raw = features.values()
+        own: dict[str, torch.Tensor] | None = None
+        newest = 0
+        if batch is not None:
+            held = self._held(batch)
+            self.held.append(held)
+            own = {name: torch.from_numpy(held.values[span]) for name, span in held.spans.items()}
+            # one far-future event (microseconds in a millisecond field) would make every row stale: the
+            # worker counts the clamped events (streamtrain_event_times_clamped_total)
+            times = batch.event_time_ms.cpu().numpy()
+            newest = min(int(times.max()), self.features.event_time_bound_ms()) if batch.size else 0
+        rows = self.map_ids(own, newest)
+        done = [] if rows is None else [self._with_rows(self.held.popleft(), rows)]
+        if self.metrics and batch is not None:
+            self.metrics.step_seconds.observe(time.perf_counter() - started)
+        return done
+
+    def _held(self, batch: ClickBatch) -> _Held:
         # The slices and writes go through numpy: each costs about a microsecond there, and several
         # through torch's dispatcher, a dozen of them a step on the training thread.
-        values = raw.cpu().numpy()
+        features = batch.sparse_features
         offsets = features.offset_per_key()
         at = {key: i for i, key in enumerate(features.keys())}
         spans = {t.name: slice(offsets[at[t.name]], offsets[at[t.name] + 1]) for t in self.tables}
-        own = {name: torch.from_numpy(values[span]) for name, span in spans.items()}
-        # one far-future event (microseconds in a millisecond field) would make every row stale: the
-        # worker counts the clamped events (streamtrain_event_times_clamped_total)
-        times = batch.event_time_ms.cpu().numpy()
-        newest = min(int(times.max()), self.features.event_time_bound_ms()) if batch.size else 0
-        rows = self.map_step(own, newest)
-        values = values.copy()
-        for name, span in spans.items():
+        return _Held(batch, features.values().cpu().numpy(), spans)
+
+    def _with_rows(self, held: _Held, rows: dict[str, torch.Tensor]) -> ClickBatch:
+        features = held.batch.sparse_features
+        raw = features.values()
+        values = held.values.copy()
+        for name, span in held.spans.items():
             values[span] = rows[name].numpy()
         translated_values = torch.from_numpy(values)
         if raw.is_pinned():  # so the pipeline's copy to the GPU stays asynchronous
@@ -761,29 +825,41 @@ class IdSpace:
             length_per_key=features.length_per_key(),
             offset_per_key=features.offset_per_key(),
         )
-        if self.metrics:
-            self.metrics.step_seconds.observe(time.perf_counter() - started)
-        return replace(batch, sparse_features=translated)
+        return replace(held.batch, sparse_features=translated)
 
-    def map_step(self, own: dict[str, torch.Tensor], newest: int) -> dict[str, torch.Tensor]:
+    def map_ids(self, own: dict[str, torch.Tensor] | None, newest: int = 0) -> dict[str, torch.Tensor] | None:
         """Map one step: ``own``, this rank's raw ids per managed table, whose newest event is at
-        ``newest``; their rows, in order. The step joins those in flight."""
+        ``newest``; the step joins those in flight. Returns the rows of the step whose rows came
+        back, per table in its ids' order: at one rank this step's; at several the step before's,
+        which this step's exchange brought (None at the first). ``own`` None maps no step, and
+        only brings back the last one's rows (at the stream's end)."""
         if self.world_size == 1:
+            if own is None:
+                return None
             mapped = self._update(own, newest)
-            steps = mapped.steps
-            rows = {name: step.rows for name, step in steps.items()}
-            mapped.fresh = {n: torch.from_numpy(np.sort(s.assigned.numpy())) for n, s in steps.items()}
-        else:
-            exchange = _Exchange(self, own, newest, self.unsent_fresh)
-            self._gathered(exchange.fresh)
+            rows = {name: step.rows for name, step in mapped.steps.items()}
+            mapped.fresh = {n: torch.from_numpy(np.sort(s.assigned.numpy())) for n, s in mapped.steps.items()}
+            self.to_reset.append(mapped)
+            self._count(mapped, rows)
+            return rows
+        no_ids = {t.name: _NO_ID_TENSOR for t in self.tables}
+        exchange = _Exchange(self, no_ids if own is None else own, newest, self.owed, self.awaited)
+        awaited, self.awaited = self.awaited, None
+        self.owed = _Owed.nothing(len(self.tables), self.world_size)
+        if own is not None:
             mapped = self._update(exchange.received, exchange.now_ms, exchange.counts)
-            steps = mapped.steps
-            rows, self.unsent_fresh = exchange.back(steps)
-            self.awaiting_fresh = mapped
-            self._exchanged(exchange)
-        self.to_reset.append(mapped)
-        for name, step in steps.items():
-            self._count(name, step, rows[name])
+            self.to_reset.append(mapped)
+            steps = [mapped.steps[name] for name in exchange.names]
+            self.owed = _Owed(
+                tuple(s.rows.numpy() for s in steps), exchange.got, tuple(s.assigned.numpy() for s in steps)
+            )
+            self.awaited = _Awaited(mapped, exchange.sent, tuple(exchange.positions[n] for n in exchange.names))
+        self._exchanged(exchange)
+        if awaited is None:
+            return None
+        rows = exchange.rows_of(awaited)
+        awaited.mapped.fresh = {name: torch.from_numpy(np.sort(given)) for name, given in exchange.fresh.items()}
+        self._count(awaited.mapped, rows)
         return rows
 
     def _update(
@@ -801,35 +877,13 @@ class IdSpace:
         mapped = self.to_reset.popleft()
         if self.resetter is None:
             return
-        if mapped.fresh is None:  # no step has been mapped since (the stream's last batch): gather now
-            assert mapped is self.awaiting_fresh
-            mapper = self.mapper
-            # on the mapper's thread while it lives, after the exchanges it was given: one order on every rank
-            (mapper.submit(self._gather_last_fresh).result() if mapper else self._gather_last_fresh())
-        assert mapped.fresh is not None
+        assert mapped.fresh is not None, "a batch was handed on before its step's rows came back"
         for name, rows in mapped.fresh.items():
             self.resetter.reset(name, rows, mapped.step)
-
-    def _gather_last_fresh(self) -> None:
-        """An exchange of no ids, which carries the fresh rows of the step no later step carried."""
-        no_ids = {t.name: _NO_ID_TENSOR for t in self.tables}
-        exchange = _Exchange(self, no_ids, 0, self.unsent_fresh)
-        self._gathered(exchange.fresh)
-        self.unsent_fresh = self._no_rows()
-        self._exchanged(exchange)
 
     def _exchanged(self, exchange: _Exchange) -> None:
         if self.metrics:
             self.metrics.exchange_seconds.observe(exchange.seconds)
-
-    def _gathered(self, fresh: dict[str, np.ndarray]) -> None:
-        """Every rank's fresh rows of the step awaiting them (each rank's own, those its ids took)."""
-        if self.awaiting_fresh is not None:
-            self.awaiting_fresh.fresh = {name: torch.from_numpy(np.unique(rows)) for name, rows in fresh.items()}
-            self.awaiting_fresh = None
-
-    def _no_rows(self) -> dict[str, np.ndarray]:
-        return {t.name: _NO_ROWS for t in self.tables}
 
     def trained(self) -> None:
         """The oldest batch in flight has trained: its step joins the cut."""
@@ -844,15 +898,16 @@ class IdSpace:
                     log_.popleft()
             self.eviction_log_from = max(self.eviction_log_from, mapped.step - _EVICTION_LOG_STEPS)
 
-    def _count(self, name: str, step: TableStep, rows: torch.Tensor) -> None:
-        """``step``: this rank's buckets'; ``rows``: of this rank's own events."""
+    def _count(self, mapped: _Mapped, rows: dict[str, torch.Tensor]) -> None:
+        """``mapped``: a step of this rank's buckets; ``rows``: of this rank's own ids of that step."""
         if not self.counters:
             return
-        admissions, capacity, ttl, unknown = self.counters[name]
-        admissions.inc(len(step.assigned))
-        capacity.inc(len(step.evicted))
-        ttl.inc(len(step.expired))
-        unknown.inc(int(np.count_nonzero(rows.numpy() == self.mapping.tables[name].unknown_row)))
+        for name, step in mapped.steps.items():
+            admissions, capacity, ttl, unknown = self.counters[name]
+            admissions.inc(len(step.assigned))
+            capacity.inc(len(step.evicted))
+            ttl.inc(len(step.expired))
+            unknown.inc(int(np.count_nonzero(rows[name].numpy() == self.mapping.tables[name].unknown_row)))
 
     def _memory_bytes_of(self, name: str) -> int:
         with self.lock:
@@ -910,29 +965,40 @@ class IdSpace:
 
 
 class _Exchange:
-    """One step's ids sent to the ranks that own their buckets, and their rows sent back: two
-    all-to-alls, ids out and rows back. A rank sends each distinct id once, with how often its
-    events hold it, so a popular id costs its owner no more than a rare one.
+    """One step's exchange, in one all-to-all: this rank's ids to the ranks that own their buckets
+    and, in the same messages, back to each rank the rows of the ids it sent this rank's buckets the
+    step before, and to every rank the rows those buckets gave new ids then. A rank sends each
+    distinct id once, with how often its events hold it, so a popular id costs its owner no more
+    than a rare one.
 
-    The ids go out in slots, a message to each owner padded to a size every rank knows, so that
-    their sizes need no all-to-all of their own (the sizes vary from step to step, and the rows
-    coming back need them). Each slot opens with its sizes and the longest message its sender had
-    for any owner; every rank reads every sender's, so all agree on the next step's slot, and all
-    see when a message outgrew this one: then every rank sends its ids again, sized exactly, in a
-    third all-to-all.
+    A step's rows come back with the next step's exchange, not in an all-to-all of their own: under a
+    training step each all-to-all waits for the slowest rank (on a 2-core host, the second one a step
+    took the map's time at 2 ranks from 2.6-2.8 ms to 3.4-3.6). So a batch waits for the next one's
+    exchange before it trains (``IdSpace.translated``), one batch more in flight, which the cut and the
+    resets already allow for: a row evicted for the next step may be one this batch reads (the module
+    docstring).
 
-    A row given to a new id comes back flagged (as ``~row``), so each rank learns the fresh rows
-    its own ids took. Every rank must reset the rows its shards hold, whichever rank's ids took
-    them: the next step's exchange carries each rank's to every rank (``fresh``), ahead of the
-    forward pass that needs them, so the fresh rows cost no collective of their own."""
+    Every rank must reset the rows its shards hold, whichever rank's ids took them: each owner sends
+    the rows its buckets gave to every rank, ahead of the forward pass that needs them, so the fresh
+    rows cost no collective of their own either.
 
-    def __init__(self, id_space: IdSpace, own: dict[str, torch.Tensor], newest: int, fresh: dict[str, np.ndarray]):
-        """``fresh``: the previous step's fresh rows among this rank's ids, per table."""
+    The messages go out in slots, a message to each rank padded to a size every rank knows, so
+    that their sizes need no all-to-all of their own (they vary from step to step). Each slot opens
+    with its sizes (the rows coming back need none: the receiver sent their ids) and the longest
+    message its sender had for any rank; every rank reads every sender's, so all agree on the next
+    step's slot, and all see when a message outgrew this one: then every rank sends its message
+    again, sized exactly, in a second all-to-all."""
+
+    def __init__(
+        self, id_space: IdSpace, own: dict[str, torch.Tensor], newest: int, owed: _Owed, awaited: _Awaited | None
+    ):
+        """``owed``: what this rank's buckets owe from the last step; ``awaited``: this rank's last
+        step, whose rows come back (None if there is none)."""
         self.group, world, self.names = id_space.group, id_space.world_size, list(own)
-        self.world, tables = world, len(own)
+        tables = len(own)
         self.seconds = 0.0  # in the all-to-alls: their latency and the wait for the slowest rank
         self.positions: dict[str, np.ndarray] = {}  # per table: each own id's among the ids sent
-        # per owner: newest, the longest message, the ids per table, the fresh rows per table
+        # per rank: newest, the longest message, the ids per table, the fresh rows per table
         head = _slot_head(tables)
         header = np.empty((world, head), dtype=np.int64)
         header[:, 0] = newest
@@ -943,14 +1009,16 @@ class _Exchange:
                 values.numpy(), id_space.owners[name], bucket_count, world
             )
             header[:, 2 + at] = per_owner
-            header[:, 2 + tables + at] = fresh[name].size
+            header[:, 2 + tables + at] = owed.fresh[at].size
             outgoing.append((ids, counts))
         self.sent = header[:, 2 : 2 + tables]  # [owner, table]
         slots = np.zeros((world, id_space.slot), dtype=np.int64)
         messages, out_sizes = _messages(
             tuple(ids for ids, _counts in outgoing),
             tuple(counts for _ids, counts in outgoing),
-            tuple(fresh[name] for name in self.names),
+            owed.rows,
+            owed.got,
+            owed.fresh,
             self.sent,
             slots,
             head,
@@ -963,17 +1031,22 @@ class _Exchange:
         longest, slot = int(got_slots[:, 1].max()), got_slots.shape[1]
         id_space.slot = max(head, longest + longest // 4)  # room for the next step's sizes to grow
         self.now_ms = int(got_slots[:, 0].max())
-        self.got = got_slots[:, 2 : 2 + tables]  # [sender, table]
+        self.got = got_slots[:, 2 : 2 + tables].copy()  # [sender, table]
         fresh_got = got_slots[:, 2 + tables : head]
+        # [owner, table]: the rows each owner sends back, one for each id this rank sent it last step
+        back = awaited.sent if awaited is not None else np.zeros((world, tables), np.int64)
         if longest <= slot:
             buffer, starts = incoming.numpy(), np.arange(world, dtype=np.int64) * slot + head
         else:
-            in_sizes = 2 * self.got.sum(1) + fresh_got.sum(1)
+            in_sizes = 2 * self.got.sum(1) + back.sum(1) + fresh_got.sum(1)
             exact = torch.empty(int(in_sizes.sum()), dtype=torch.int64)
             self._all_to_all(exact, torch.from_numpy(messages), in_sizes.tolist(), out_sizes.tolist())
             buffer, starts = exact.numpy(), np.cumsum(in_sizes) - in_sizes
-        # every sender's ids of a table, in sender order, with their counts; and the fresh rows likewise
-        ids, counts, fresh_rows, id_bounds, fresh_bounds = _received(buffer, starts, self.got, fresh_got)
+        # every sender's ids of a table, in sender order, with their counts; the rows back, in owner
+        # order; and the fresh rows likewise
+        ids, counts, self.answers, fresh_rows, id_bounds, self.answer_bounds, fresh_bounds = _received(
+            buffer, starts, self.got, back, fresh_got
+        )
         id_at, fresh_at = id_bounds.tolist(), fresh_bounds.tolist()
         self.received, self.counts, self.fresh = {}, {}, {}
         for at, name in enumerate(self.names):
@@ -981,25 +1054,11 @@ class _Exchange:
             self.counts[name] = torch.from_numpy(counts[id_at[at] : id_at[at + 1]])
             self.fresh[name] = fresh_rows[fresh_at[at] : fresh_at[at + 1]]
 
-    def back(self, steps: dict[str, TableStep]) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
-        """The rows of this rank's own ids per table, in their order, and the fresh rows among them."""
-        # to each sender, the rows of its ids of every table in turn
-        send = _answers(
-            tuple(steps[name].rows.numpy() for name in self.names),
-            tuple(steps[name].fresh.numpy() for name in self.names),
-            self.got,
-        )
-        received = torch.empty(int(self.sent.sum()), dtype=torch.int64)
-        in_sizes, out_sizes = self.sent.sum(1).tolist(), self.got.sum(1).tolist()
-        self._all_to_all(received, torch.from_numpy(send), in_sizes, out_sizes)
-        rows, fresh_rows, row_bounds, fresh_bounds = _rows_back(
-            received.numpy(), self.sent, tuple(self.positions[name] for name in self.names)
-        )
-        row_at, fresh_at = row_bounds.tolist(), fresh_bounds.tolist()
-        return (
-            {name: torch.from_numpy(rows[row_at[at] : row_at[at + 1]]) for at, name in enumerate(self.names)},
-            {name: fresh_rows[fresh_at[at] : fresh_at[at + 1]] for at, name in enumerate(self.names)},
-        )
+    def rows_of(self, awaited: _Awaited) -> dict[str, torch.Tensor]:
+        """The rows of the awaited step's own ids per table, in their order."""
+        rows, row_bounds = _rows_back(self.answers, self.answer_bounds, awaited.positions)
+        row_at = row_bounds.tolist()
+        return {name: torch.from_numpy(rows[row_at[at] : row_at[at + 1]]) for at, name in enumerate(self.names)}
 
     def _all_to_all(
         self,
@@ -1052,40 +1111,50 @@ def _by_owner(
 def _messages(
     ids: tuple[np.ndarray, ...],
     counts: tuple[np.ndarray, ...],
+    answers: tuple[np.ndarray, ...],
+    answered: np.ndarray,
     fresh: tuple[np.ndarray, ...],
     sent: np.ndarray,
     slots: np.ndarray,
     head: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Each owner's message past the slot's header, in owner order: for every table in turn the ids
-    of its buckets (``ids``, grouped by owner) then their counts, and then every table's ``fresh``
-    rows; and their sizes. Written into ``slots`` after the header too, where every one fits."""
+    """Each rank's message past the slot's header, in rank order: for every table in turn the ids
+    of its buckets (``ids``, grouped by owner) then their counts; for every table the rows of the
+    ids it sent this rank's buckets the step before (``answers``, per table in sender order,
+    ``answered`` [sender, table] of them); and every table's ``fresh`` rows; and their sizes.
+    Written into ``slots`` after the header too, where every one fits."""
     world, tables = sent.shape
     fresh_total = 0
     for t in range(tables):
         fresh_total += fresh[t].shape[0]
     sizes = np.empty(world, np.int64)
-    for owner in range(world):
-        sizes[owner] = fresh_total + 2 * sent[owner].sum()
+    for rank in range(world):
+        sizes[rank] = fresh_total + 2 * sent[rank].sum() + answered[rank].sum()
     messages = np.empty(sizes.sum(), np.int64)
     taken = np.zeros(tables, np.int64)  # of each table's ids, those already laid out
+    answers_taken = np.zeros(tables, np.int64)  # and of its answers
     at = 0
-    for owner in range(world):
+    for rank in range(world):
         for t in range(tables):
-            n, first = sent[owner, t], taken[t]
+            n, first = sent[rank, t], taken[t]
             messages[at : at + n] = ids[t][first : first + n]
             messages[at + n : at + 2 * n] = counts[t][first : first + n]
             taken[t] += n
             at += 2 * n
+        for t in range(tables):
+            n, first = answered[rank, t], answers_taken[t]
+            messages[at : at + n] = answers[t][first : first + n]
+            answers_taken[t] += n
+            at += n
         for t in range(tables):
             n = fresh[t].shape[0]
             messages[at : at + n] = fresh[t]
             at += n
     if head + sizes.max() <= slots.shape[1]:
         at = 0
-        for owner in range(world):
-            slots[owner, head : head + sizes[owner]] = messages[at : at + sizes[owner]]
-            at += sizes[owner]
+        for rank in range(world):
+            slots[rank, head : head + sizes[rank]] = messages[at : at + sizes[rank]]
+            at += sizes[rank]
     return messages, sizes
 
 
@@ -1102,16 +1171,18 @@ def _table_bounds(per_rank: np.ndarray) -> np.ndarray:
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _received(
-    buffer: np.ndarray, starts: np.ndarray, got: np.ndarray, fresh_got: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    buffer: np.ndarray, starts: np.ndarray, got: np.ndarray, back: np.ndarray, fresh_got: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The messages in ``buffer`` (each sender's from ``starts``), read per table: every sender's
-    ids in sender order, their counts, and the fresh rows likewise; and where each table's ids and
-    fresh rows begin and end in those (``tables`` + 1 bounds each)."""
+    ids in sender order and their counts (``got`` of them), the rows back likewise (``back``), and
+    the fresh rows (``fresh_got``); and where each table's part begins and ends in the ids, the rows
+    back and the fresh rows (``tables`` + 1 bounds each)."""
     world, tables = got.shape
-    id_bounds, fresh_bounds = _table_bounds(got), _table_bounds(fresh_got)
+    id_bounds, back_bounds, fresh_bounds = _table_bounds(got), _table_bounds(back), _table_bounds(fresh_got)
     ids, counts = np.empty(id_bounds[tables], np.int64), np.empty(id_bounds[tables], np.int64)
-    fresh = np.empty(fresh_bounds[tables], np.int64)
-    next_id, next_fresh = id_bounds[:tables].copy(), fresh_bounds[:tables].copy()
+    rows, fresh = np.empty(back_bounds[tables], np.int64), np.empty(fresh_bounds[tables], np.int64)
+    next_id, next_row = id_bounds[:tables].copy(), back_bounds[:tables].copy()
+    next_fresh = fresh_bounds[:tables].copy()
     for sender in range(world):
         at = starts[sender]
         for t in range(tables):
@@ -1121,67 +1192,34 @@ def _received(
             next_id[t] += n
             at += 2 * n
         for t in range(tables):
+            n, to = back[sender, t], next_row[t]
+            rows[to : to + n] = buffer[at : at + n]
+            next_row[t] += n
+            at += n
+        for t in range(tables):
             n, to = fresh_got[sender, t], next_fresh[t]
             fresh[to : to + n] = buffer[at : at + n]
             next_fresh[t] += n
             at += n
-    return ids, counts, fresh, id_bounds, fresh_bounds
-
-
-@njit(cache=True, nogil=True, boundscheck=False)
-def _answers(rows: tuple[np.ndarray, ...], fresh: tuple[np.ndarray, ...], got: np.ndarray) -> np.ndarray:
-    """The rows of every sender's ids (``rows`` per table, in the order ``_received`` gave the ids),
-    to each sender for every table in turn; a row given to its id this step as ``~row``."""
-    world, tables = got.shape
-    answers = np.empty(got.sum(), np.int64)
-    taken = np.zeros(tables, np.int64)
-    at = 0
-    for sender in range(world):
-        for t in range(tables):
-            for i in range(taken[t], taken[t] + got[sender, t]):
-                answers[at] = ~rows[t][i] if fresh[t][i] else rows[t][i]
-                at += 1
-            taken[t] += got[sender, t]
-    return answers
+    return ids, counts, rows, fresh, id_bounds, back_bounds, fresh_bounds
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
 def _rows_back(
-    answers: np.ndarray, sent: np.ndarray, positions: tuple[np.ndarray, ...]
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """From the owners' ``answers`` (per owner, per table, the rows of the ids sent it), each table's
-    rows of this rank's values (the row of the id sent at each value's ``positions``) and its fresh
-    rows, the rows given this step, in the order sent; each concatenated over the tables, with
-    ``tables`` + 1 bounds each."""
-    world, tables = sent.shape
-    sent_bounds = _table_bounds(sent)
-    in_order = np.empty(sent_bounds[tables], np.int64)  # per table, the rows of the ids in the order sent
-    next_at = sent_bounds[:tables].copy()
-    at = 0
-    for owner in range(world):
-        for t in range(tables):
-            n = sent[owner, t]
-            in_order[next_at[t] : next_at[t] + n] = answers[at : at + n]
-            next_at[t] += n
-            at += n
-    row_bounds, fresh_bounds = np.zeros(tables + 1, np.int64), np.zeros(tables + 1, np.int64)
+    answers: np.ndarray, answer_bounds: np.ndarray, positions: tuple[np.ndarray, ...]
+) -> tuple[np.ndarray, np.ndarray]:
+    """From the owners' ``answers`` (per table, in owner order, the rows of the ids sent each), each
+    table's rows of this rank's values: the row of the id sent at each value's ``positions``;
+    concatenated over the tables, with ``tables`` + 1 bounds."""
+    tables = len(positions)
+    row_bounds = np.zeros(tables + 1, np.int64)
     for t in range(tables):
         row_bounds[t + 1] = row_bounds[t] + positions[t].shape[0]
-        flagged = 0
-        for i in range(sent_bounds[t], sent_bounds[t + 1]):
-            flagged += in_order[i] < 0
-        fresh_bounds[t + 1] = fresh_bounds[t] + flagged
-    rows, fresh = np.empty(row_bounds[tables], np.int64), np.empty(fresh_bounds[tables], np.int64)
+    rows = np.empty(row_bounds[tables], np.int64)
     for t in range(tables):
-        f = fresh_bounds[t]
-        for i in range(sent_bounds[t], sent_bounds[t + 1]):
-            if in_order[i] < 0:
-                in_order[i] = ~in_order[i]
-                fresh[f] = in_order[i]
-                f += 1
         for i in range(positions[t].shape[0]):
-            rows[row_bounds[t] + i] = in_order[sent_bounds[t] + positions[t][i]]
-    return rows, fresh, row_bounds, fresh_bounds
+            rows[row_bounds[t] + i] = answers[answer_bounds[t] + positions[t][i]]
+    return rows, row_bounds
 
 
 def _slot_head(tables: int) -> int:

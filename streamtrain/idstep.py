@@ -16,7 +16,7 @@ One numba call does what took about twenty kernels and numpy calls a step, in th
   5. the writes: the rows seen and given are touched (step, event time, lfu count), the victims
      leave the index, the new ids take their rows and enter it; each array's old values at the
      rows written are returned, for the step's undo;
-  6. each of the step's ids' table row and whether it is unknown or fresh.
+  6. each of the step's ids' table row and whether it is unknown.
 
 The result is the map the step-by-step kernels made before, bit for bit: the same rows, flags,
 victims and arrays (a differential run over lru, lfu, ttl, probability and min_count, several
@@ -441,15 +441,14 @@ class MapRules(NamedTuple):
 
 
 class StepOutcome(NamedTuple):
-    """What a step did: each of its values' table row and whether it reads the unknown row or a
-    row given to it this step; the rows given (in the arrays' rows, in the order of their ids);
+    """What a step did: each of its values' table row and whether it reads the unknown row; the
+    rows given (in the arrays' rows, in the order of their ids);
     the victims and the ids they held; and what the undo needs: the sketch cells written and their
     old values, the rows touched (seen, then given) with their old steps, event times and counts
     (empty for arrays not kept), and the given rows' old ids and in-use flags."""
 
     rows: I64
     unknown: np.ndarray
-    fresh: np.ndarray
     assigned: I64
     victims: I64
     evicted_ids: I64
@@ -601,21 +600,17 @@ def admit_and_write(
     if insert_rows(arrays.slots, ids, assigned):
         raise AssertionError("an id was indexed twice: the map would give it two rows")
 
-    # each value's row and flags, by its distinct id
+    # each value's row and whether it is unknown, by its distinct id
     distinct_rows = rows.copy()
-    fresh_distinct = np.zeros(unique.shape[0], np.bool_)
     for a in range(assigned.shape[0]):
         distinct_rows[admitted[a]] = assigned[a]
-        fresh_distinct[admitted[a]] = True
     n = inverse.shape[0]
-    table_rows, unknown, fresh = np.empty(n, np.int64), np.empty(n, np.bool_), np.empty(n, np.bool_)
+    table_rows, unknown = np.empty(n, np.int64), np.empty(n, np.bool_)
     for i in range(n):
-        j = inverse[i]
-        row = distinct_rows[j]
+        row = distinct_rows[inverse[i]]
         unknown[i] = row < 0
         table_rows[i] = rules.unknown_row if row < 0 else row + rules.start
-        fresh[i] = fresh_distinct[j]
     return StepOutcome(
-        table_rows, unknown, fresh, assigned, victims, evicted_ids, cells, old_cells,
+        table_rows, unknown, assigned, victims, evicted_ids, cells, old_cells,
         touched, old_steps, old_times, old_counts, old_ids, old_in_use,
     )  # fmt: skip

@@ -116,10 +116,10 @@ class Lockstep:
         return agreed
 
     def __iter__(self) -> Iterator[ClickBatch]:
-        # TrainPipelineSparseDist trains batch i once it has taken batch i+2 (i+3 with the id space
-        # mapping ahead). When the stream pauses, empty steps let it finish the real batches it
-        # holds instead of waiting for traffic. The global sizes of the last steps are the same on
-        # every rank.
+        # TrainPipelineSparseDist trains batch i once it has taken batch i+2 (later with managed ids at
+        # several ranks or mapped ahead: IdSpace.batches_held). When the stream pauses, empty steps let it
+        # finish the real batches it holds instead of waiting for traffic. The global sizes of the last
+        # steps are the same on every rank.
         recent_global_sizes: deque[int] = deque([0] * self.lookahead, maxlen=self.lookahead)
         busy = False
         last_step = self.clock()

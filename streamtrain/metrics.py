@@ -290,14 +290,15 @@ class IdSpaceMetrics:
         self.step_seconds = Histogram(
             "streamtrain_idspace_step_seconds",
             "Time to map one step's batch on this rank, every managed table: the ids sent to the ranks owning "
-            "their buckets, mapped there, and their rows back.",
+            "their buckets and mapped there, and the step before's rows back.",
             buckets=_MAP_SECONDS,
             registry=registry,
         )
         self.exchange_seconds = Histogram(
             "streamtrain_idspace_exchange_seconds",
-            "Time one exchange of a step's ids spent in its all-to-alls on this rank (at 2 or more ranks): the "
-            "collectives' latency and the wait for the slowest rank. Part of streamtrain_idspace_step_seconds.",
+            "Time one exchange of a step's ids (and the step before's rows) spent in its all-to-all on this rank (at "
+            "2 or more ranks): the collective's latency and the wait for the slowest rank. Part of "
+            "streamtrain_idspace_step_seconds.",
             buckets=_MAP_SECONDS,
             registry=registry,
         )

@@ -50,7 +50,7 @@ from streamtrain.device import (
     host_memory_bytes,
     summing_over_ranks,
 )
-from streamtrain.idspace import MAPPED_AHEAD, IdSpace, RowResetter, managed_tables
+from streamtrain.idspace import IdSpace, RowResetter, managed_tables
 from streamtrain.lockstep import PIPELINE_LOOKAHEAD
 from streamtrain.metrics import IdSpaceMetrics
 from streamtrain.model import ClickModel
@@ -491,9 +491,10 @@ class Trainer:
         self.step = 0
         # es_dfm's late share, attached to each batch as the pipeline takes it (restored by the worker)
         self.late_share = LateShare(len(config.tasks())) if config.delayed_labels is not None else None
-        # Managed tables get rows from the id space just before the pipeline takes each batch, or
-        # one batch earlier on a thread of its own (batching.map_ahead); the rows a batch's step
-        # gave away start fresh just before that batch's forward pass.
+        # Managed tables get rows from the id space before the pipeline takes each batch, at several
+        # ranks once the next batch's exchange brought them, on a thread of its own one batch earlier
+        # still with batching.map_ahead; the rows a batch's step gave away start fresh just before
+        # that batch's forward pass.
         self.id_space: IdSpace | None = None
         self.map_ahead = False
         # how many batches the trainer takes ahead of the one it trains
@@ -507,7 +508,7 @@ class Trainer:
             self.model.module.register_forward_pre_hook(lambda _module, _args: id_space.before_forward())
             ahead = config.batching.map_ahead
             self.map_ahead = env.device.type == "cuda" if ahead is None else ahead
-            self.lookahead += MAPPED_AHEAD if self.map_ahead else 0
+            self.lookahead += id_space.batches_held(self.map_ahead)
 
     def train(self, batches: Iterable[ClickBatch]) -> Iterator[StepResult]:
         """Train every batch ``batches`` yields, in order; one result per trained batch."""
@@ -517,19 +518,23 @@ class Trainer:
         taken.clear()
         waited = 0.0
 
-        def feed() -> Iterator[ClickBatch]:
+        def waited_for() -> Iterator[ClickBatch]:
+            """``batches``, timing the wait for each (the map's time is its own: the id space's metrics)."""
             nonlocal waited
             upstream = iter(batches)
-            if self.id_space is not None and self.map_ahead:
-                upstream = self.id_space.ahead(upstream)
             while True:
                 asked = time.perf_counter()
                 batch = next(upstream, None)
                 waited += time.perf_counter() - asked
                 if batch is None:
                     return
-                if self.id_space is not None and not self.map_ahead:
-                    batch = self.id_space.translate(batch)
+                yield batch
+
+        def feed() -> Iterator[ClickBatch]:
+            upstream = waited_for()
+            if self.id_space is not None:
+                upstream = self.id_space.translated(upstream, self.map_ahead)
+            for batch in upstream:
                 if self.late_share is not None:
                     batch = self.late_share.attach(batch)
                 taken.append(batch)

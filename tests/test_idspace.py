@@ -38,6 +38,7 @@ from streamtrain.idspace import (
     bucket_start,
     whole_map,
 )
+from streamtrain.lockstep import PIPELINE_LOOKAHEAD
 from streamtrain.metrics import IdSpaceMetrics
 from streamtrain.source import RawEvent
 from streamtrain.threads import IDAHEAD, IDMAP
@@ -576,9 +577,10 @@ def test_ranks_map_every_id_to_one_row_alone_and_evicted_rows_start_fresh(
 
 # ids a rank maps each step: steady, then a step 4x larger than the slot, then steady again
 EXCHANGE_IDS = [400, 400, 400, 1600, 400, 400]
-# all-to-alls each step: the first knows no slot yet; the second carries the first's fresh rows (every
-# id's) on top of its ids, so it outgrows the slot the first left; the grown step does too
-EXCHANGE_CALLS = [3, 3, 2, 3, 2, 2]
+# all-to-alls each step, and at the end the one of no ids that brings the last step's rows back:
+# the first step knows no slot yet; the second carries the first's rows and fresh rows (every id's)
+# on top of its ids, so it outgrows the slot the first left; the grown step does too
+EXCHANGE_CALLS = [2, 2, 1, 2, 1, 1, 1]
 
 
 def _exchange_rank(rank: int, world_size: int, port: int, out: str) -> None:
@@ -586,7 +588,7 @@ def _exchange_rank(rank: int, world_size: int, port: int, out: str) -> None:
     torch.distributed.init_process_group("gloo")
     features = parse_config(managed_raw(rows={"user_id": 2_000}), environ={}).features
     id_space = IdSpace(features, world_size, None)
-    calls = []
+    calls, rows = [], []
     all_to_all = torch.distributed.all_to_all_single
 
     def counted(*args, **kwargs):
@@ -595,18 +597,25 @@ def _exchange_rank(rank: int, world_size: int, port: int, out: str) -> None:
 
     torch.distributed.all_to_all_single = counted
     rng = np.random.default_rng(rank)
-    for step, n in enumerate(EXCHANGE_IDS):
+    for step, n in enumerate([*EXCHANGE_IDS, None]):
         calls.append(0)
-        id_space.map_step({"user_id": torch.from_numpy(rng.integers(0, 3_000, n) + 100 * step)}, 1_000 + step)
-        id_space.before_forward()
-        id_space.trained()
-    torch.save({"calls": calls, "map": id_space.state_dict()}, f"{out}/rank{rank}.pt")
+        own = None if n is None else {"user_id": torch.from_numpy(rng.integers(0, 3_000, n) + 100 * step)}
+        came_back = id_space.map_ids(own, 1_000 + step)
+        if came_back is not None:
+            rows.append(came_back["user_id"])
+            id_space.before_forward()
+            id_space.trained()
+    torch.save({"calls": calls, "rows": rows, "map": id_space.state_dict()}, f"{out}/rank{rank}.pt")
     leave_spawned_rank()
 
 
-def test_a_step_exchanges_ids_in_two_all_to_alls_and_one_that_outgrows_the_slot_in_three(tmp_path):
-    """The sizes travel in the ids' own slots: only a step whose messages outgrow the slot the ranks
-    agreed on pays a third all-to-all, of exact sizes. The map is the one a process builds alone."""
+def test_a_step_exchanges_its_ids_and_the_last_steps_rows_in_one_all_to_all_and_when_it_outgrows_the_slot_two(
+    tmp_path,
+):
+    """A step's rows come back in the next step's all-to-all, beside its ids, and the sizes travel
+    in the messages' own slots: only a step whose messages outgrow the slot the ranks agreed on
+    pays a second all-to-all, of exact sizes. Each step's rows, a step late, and the map are those a
+    process builds alone."""
     mp.spawn(_exchange_rank, args=(2, free_port(), str(tmp_path)), nprocs=2)
     results = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
     assert all(r["calls"] == EXCHANGE_CALLS for r in results), [r["calls"] for r in results]
@@ -616,7 +625,9 @@ def test_a_step_exchanges_ids_in_two_all_to_alls_and_one_that_outgrows_the_slot_
     rngs = [np.random.default_rng(rank) for rank in range(2)]
     for step, n in enumerate(EXCHANGE_IDS):
         ids = np.concatenate([rng.integers(0, 3_000, n) + 100 * step for rng in rngs])
-        mapping.update({"user_id": torch.from_numpy(ids)}, 1_000 + step)
+        expected = mapping.update({"user_id": torch.from_numpy(ids)}, 1_000 + step)["user_id"].rows
+        assert torch.equal(torch.cat([r["rows"][step] for r in results]), expected), step
+    assert all(len(r["rows"]) == len(EXCHANGE_IDS) for r in results)
     assert_same_state(merged([r["map"] for r in results]), mapping.state_dict())
 
 
@@ -647,28 +658,46 @@ def test_fresh_rows_reset_on_the_host_in_one_call_are_the_torch_paths_bit_for_bi
         assert any(not torch.equal(a, b) for a, b in zip(by_path[0], trained[name], strict=True)), name
 
 
-def test_a_trainer_mapping_ahead_trains_every_batch_once_its_lookahead_of_empty_batches_follows():
-    """Mapped one batch ahead, a paused stream needs one empty step more than the pipeline alone to
-    train the real batches it holds (``Trainer.lookahead``, which the lockstep's flush counts)."""
+def _paused_rank(rank: int, world_size: int, port: int, out: str, ahead: bool) -> None:
+    """Three real batches, then as many empty ones as the trainer's lookahead, then a stream that
+    waits: the real batches must all have trained by then."""
+    join_as_spawned_rank(rank, world_size, port)
     raw = managed_raw()
-    raw["batching"] = {**raw.get("batching", {}), "map_ahead": True}
+    raw["batching"] = {**raw.get("batching", {}), "map_ahead": ahead}
     config = parse_config(raw, environ={})
     trainer = Trainer(config, init_distributed())
-    assert trainer.id_space is not None and trainer.map_ahead and trainer.lookahead == 3
+    assert trainer.id_space is not None and trainer.map_ahead == ahead
     decoder = AvroBatchDecoder(config.features)
-    real = rank_batches(decoder, 0, 1, global_batches(3))
+    real = rank_batches(decoder, rank, world_size, global_batches(3))
     results: list = []
     trained_when_the_stream_paused: list[int] = []
 
     def paused_stream():
         yield from real
-        yield from [decoder.decode([]).batch.in_global_step(0, 1)] * trainer.lookahead
+        yield from [decoder.decode([]).batch.in_global_step(0, world_size)] * trainer.lookahead
         trained_when_the_stream_paused.append(len(results))
 
     for result in trainer.train(paused_stream()):
         results.append(result)
-    assert trained_when_the_stream_paused == [len(real)]
-    assert [r.batch.size for r in results[: len(real)]] == [b.size for b in real]
+    trained = [r.batch.size for r in results[: len(real)]]
+    run = {"lookahead": trainer.lookahead, "paused": trained_when_the_stream_paused, "trained": trained}
+    torch.save({**run, "real": [b.size for b in real]}, f"{out}/rank{rank}.pt")
+    leave_spawned_rank()
+
+
+@pytest.mark.parametrize(("world_size", "ahead"), [(1, True), (2, False), (2, True)])
+def test_a_paused_stream_trains_every_real_batch_once_the_trainers_lookahead_of_empty_batches_follows(
+    tmp_path, world_size, ahead
+):
+    """A batch whose rows come back with the next batch's exchange (at several ranks), and one
+    mapped ahead, each need one empty step more than the pipeline alone to train the real batches
+    it holds when the stream pauses (``Trainer.lookahead``, which the lockstep's flush counts)."""
+    mp.spawn(_paused_rank, args=(world_size, free_port(), str(tmp_path), ahead), nprocs=world_size)
+    for rank in range(world_size):
+        result = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        assert result["lookahead"] == PIPELINE_LOOKAHEAD + (world_size > 1) + ahead
+        assert result["paused"] == [len(result["real"])], result
+        assert result["trained"] == result["real"]
 
 
 def local_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

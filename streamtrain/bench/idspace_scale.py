@@ -2,14 +2,14 @@
 sizes 1, 2 and 4 (real ranks, spawned, over gloo), its compute per id on one thread and on every
 core, and the map time per step projected to 8 ranks at 32k events a rank.
 
-Each world size maps the same global steps of one managed table: --scale-ids ids a step (a Zipf
-head over a churning tail, so the table fills and evicts), dealt evenly over the ranks. A rank
-times ``IdSpace.map_step`` (its ids sent to their buckets' owners, mapped there, the rows back),
-and reports the ids it mapped and the map's bytes. The projection takes the per-id cost, the worst
-of the world sizes that fit this host's cores (more ranks than cores time the sharing of a core),
-times the ids a rank maps at 32k events a rank (its distinct ids, at most 32k, times the busiest
-rank's share over the mean), which stays the same however many ranks there are. A replicated map
-would cost every rank the 1-rank time of the whole global step instead.
+Each world size maps the same global steps of one managed table: --scale-ids ids a step (a Zipf head
+over a churning tail, so the table fills and evicts), dealt evenly over the ranks. A rank times
+``IdSpace.map_ids`` (its ids sent to their buckets' owners and mapped there, the step before's rows
+back), and reports the ids it mapped and the map's bytes. The projection takes the per-id cost, the
+worst of the world sizes that fit this host's cores (more ranks than cores time the sharing of a
+core), times the ids a rank maps at 32k events a rank (its distinct ids, at most 32k, times the
+busiest rank's share over the mean), which stays the same however many ranks there are. A replicated
+map would cost every rank the 1-rank time of the whole global step instead.
 
 Beside them, one rank maps the same steps on every core of the host (the map's helper threads,
 ``IdSpace(threads=...)``), against its one-thread run: ``threaded.speedup``.
@@ -21,12 +21,12 @@ one-thread rank's CPU time of its own thread (what another process's time-slices
 (``projected_step_seconds_8x32k``) is then two terms:
   - compute (``projected_compute_seconds``): the threaded time per id times the ids a rank maps, at
     most 32k times the busiest rank's share over the mean;
-  - exchange (``projected_exchange_seconds``): the bytes a rank sends in the step's two all-to-alls
-    (each distinct id and its count out, padded to the slot, 1.25x; its row back: at most 32k of
-    each) over NCCL's all-to-all bandwidth on 8 H100s over NVLink, ``NCCL_ALL_TO_ALL_BUS_GB_S``
-    of bus bandwidth (nccl-tests' busbw, algbw x (n-1)/n for all-to-all). It leaves out each
-    all-to-all's fixed latency, and it is NCCL's: the map's exchange goes through gloo on the
-    host today.
+  - exchange (``projected_exchange_seconds``): the bytes a rank sends in the step's all-to-all (each
+    distinct id and its count out, padded to the slot, 1.25x; the row of each it was sent the step
+    before back: at most 32k of each) over NCCL's all-to-all bandwidth on 8 H100s over NVLink,
+    ``NCCL_ALL_TO_ALL_BUS_GB_S`` of bus bandwidth (nccl-tests' busbw, algbw x (n-1)/n for
+    all-to-all). It leaves out each all-to-all's fixed latency, and it is NCCL's: the map's exchange
+    goes through gloo on the host today.
 
 ``ids_per_rank_ratio`` counts what a rank maps: each sender's distinct ids of the owner's buckets,
 against the global step's ids over the world size.
@@ -105,12 +105,14 @@ def _rank(rank: int, world_size: int, port: int, features_json: str, steps_json:
                 tries.append(clock() - started)
             least.append(min(tries))
         started = time.perf_counter()
-        id_space.map_step(own, at)
+        came_back = id_space.map_ids(own, at)
         if at >= warmup:
             seconds.append(time.perf_counter() - started)
             mapped.append(int(id_space.in_flight[-1].steps[name].rows.numel()))
-        id_space.before_forward()
-        id_space.trained()
+        if came_back is not None:
+            id_space.before_forward()
+            id_space.trained()
+    id_space.map_ids(None)  # the last step's rows
     table = id_space.mapping.tables[name]
     result = {
         "seconds_per_step": float(np.mean(seconds)),
