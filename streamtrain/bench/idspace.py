@@ -5,7 +5,7 @@ steady rates, each with an effect of its own on the click) three ways, side by s
 varying only the id tables (--tables, default user_id and adgroup_id):
 
 - hash: ``id_mapping: hash`` at --rows R rows;
-- managed: ``id_mapping: managed`` (issue 12) at the same memory: its rows are R, fewer if the
+- managed: ``id_mapping: managed`` at the same memory: its rows are R, fewer if the
   mapping's own state would take it past the hash leg's state (model and optimizer, what a
   snapshot holds);
 - reference: ``id_mapping: hash`` at --reference-rows (default 40R), near collision-free, at many
@@ -24,7 +24,7 @@ managed wins back at least half of what collisions cost (managed - hash >= 0.5 x
 hash)), at a throughput ratio of 0.95 or more at 1 and 2 ranks. Without a managed mapping in this
 build the two hash legs run, and the run fails with the reason.
 
-Then the tailed leg (issue 40): the same three legs on the same stream with a one-off tail
+Then the tailed leg: the same three legs on the same stream with a one-off tail
 (--one-off, default a third of the events' users and of their ads are ids seen in that event
 alone, as real click logs have), the managed leg with the default admission unless --managed sets
 one. Its goal is the same win-back; it is written under ``tailed``. --one-off 0 skips it, and
@@ -64,7 +64,7 @@ WIN_BACK_GOAL, THROUGHPUT_GOAL = 0.5, 0.95
 DISTINCT_GOAL = 10  # distinct ids over the run per row, at least
 REFERENCE_FACTOR = 40
 SEGMENTS = 10
-ONE_OFF = 1 / 3  # the share of events from ids seen once in a real click log (issue 40)
+ONE_OFF = 1 / 3  # the share of events from ids seen once in a real click log
 # What a managed table adds to its section unless --managed says otherwise.
 DEFAULT_MANAGED = "{eviction: {policy: lru}}"
 

@@ -18,7 +18,7 @@ production ids.
 
 A one-off tail (``Drift.one_off``, off by default) replaces that share of the events' users, and
 independently that share of their ads, with ids seen in that event alone, as real click logs have
-(about a third of the events, issue 40). A one-off is an id like any other (a profile or an ad's
+(about a third of the events). A one-off is an id like any other (a profile or an ad's
 attributes, and an effect of its own on the click) that no model can learn, and that a mapping
 admitting every id gives a row it will never read again. The one-offs are drawn from a generator of
 their own, so the tail only replaces ids: the rest of each event is what it is without the tail.
