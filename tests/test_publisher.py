@@ -275,10 +275,17 @@ def test_the_directory_target_removes_the_deltas_no_kept_base_needs(tmp_path):
 
 
 def test_the_base_export_is_called_with_the_agreed_flags(tmp_path, monkeypatch):
-    """A stand-in for ``streamtrain export`` (built elsewhere) records its arguments and writes a base."""
+    """A stand-in for ``streamtrain export`` (built elsewhere) records its arguments and writes a base.
+    It ends once the file ``RELEASE_EXPORT`` names exists, so that the test sees an export running:
+    one that ended first, on a loaded host, unpinned its snapshot before the test looked (CI)."""
     stand_in = tmp_path / "export.py"
+    release = tmp_path / "release"
+    monkeypatch.setenv("RELEASE_EXPORT", str(release))
     stand_in.write_text(
-        "import json, os, sys\n"
+        "import json, os, sys, time\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not os.path.exists(os.environ['RELEASE_EXPORT']) and time.monotonic() < deadline:\n"
+        "    time.sleep(0.01)\n"
         "args = sys.argv[1:]\n"
         "out, version = args[args.index('--out') + 1], int(args[args.index('--version') + 1])\n"
         "os.makedirs(f'{out}/base-{version:06d}')\n"
@@ -295,6 +302,7 @@ def test_the_base_export_is_called_with_the_agreed_flags(tmp_path, monkeypatch):
     bases.start(0, new_chain=True, version=1)
     assert pinned == {0}  # the checkpointer keeps the snapshot while it is exported
     assert bases.exporting_chain_start  # a stop waits for it instead of superseding it
+    release.touch()
     bases.wait(60)
     assert pinned == set() and not bases.exporting_chain_start
     for step in (5, 10):
