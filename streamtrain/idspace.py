@@ -853,7 +853,7 @@ class IdSpace:
             self.owed = _Owed(
                 tuple(s.rows.numpy() for s in steps), exchange.got, tuple(s.assigned.numpy() for s in steps)
             )
-            self.awaited = _Awaited(mapped, exchange.sent, tuple(exchange.positions[n] for n in exchange.names))
+            self.awaited = _Awaited(mapped, exchange.sent, exchange.positions)
         self._exchanged(exchange)
         if awaited is None:
             return None
@@ -997,7 +997,7 @@ class _Exchange:
         self.group, world, self.names = id_space.group, id_space.world_size, list(own)
         tables = len(own)
         self.seconds = 0.0  # in the all-to-alls: their latency and the wait for the slowest rank
-        self.positions: dict[str, np.ndarray] = {}  # per table: each own id's among the ids sent
+        positions = []  # per table: each own id's among the ids sent
         # per rank: newest, the longest message, the ids per table, the fresh rows per table
         head = _slot_head(tables)
         header = np.empty((world, head), dtype=np.int64)
@@ -1005,13 +1005,13 @@ class _Exchange:
         outgoing = []
         for at, (name, values) in enumerate(own.items()):
             bucket_count = id_space.mapping.tables[name].bucket_count
-            ids, counts, per_owner, self.positions[name] = _by_owner(
-                values.numpy(), id_space.owners[name], bucket_count, world
-            )
+            ids, counts, per_owner, sent_at = _by_owner(values.numpy(), id_space.owners[name], bucket_count, world)
+            positions.append(sent_at)
             header[:, 2 + at] = per_owner
             header[:, 2 + tables + at] = owed.fresh[at].size
             outgoing.append((ids, counts))
         self.sent = header[:, 2 : 2 + tables]  # [owner, table]
+        self.positions = tuple(positions)
         slots = np.zeros((world, id_space.slot), dtype=np.int64)
         messages, out_sizes = _messages(
             tuple(ids for ids, _counts in outgoing),
