@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
+import streamtrain.dev.kafka as kafka_module
 from streamtrain.dev.kafka import (
     CLAIM_SECONDS,
     LOWEST_FREE_PORT,
@@ -90,15 +91,20 @@ def test_ports_handed_out_are_free_and_not_handed_to_another_process_within_the_
     assert subprocess.run(other, capture_output=True, text=True, check=True).stdout.split() == ["True"]
 
 
-def test_ports_handed_out_lie_below_the_kernels_ephemeral_range():
+def test_ports_handed_out_lie_below_the_kernels_ephemeral_range(monkeypatch):
     """A port from the ephemeral range, free when handed out, may meanwhile become a connection's
     source port or a listener's on port 0 (gloo's, torchrun's store) before its worker binds it."""
     ephemeral_from = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    if ephemeral_from - LOWEST_FREE_PORT < 1000:
-        pytest.skip(f"this host's ephemeral range starts at {ephemeral_from}: no room below it")
+    below = kafka_module._below_ephemeral_ports()
+    if ephemeral_from - LOWEST_FREE_PORT >= 1000:
+        assert below == range(LOWEST_FREE_PORT, ephemeral_from)
+    else:  # no room below this host's range: the kernel's pick, as before
+        assert below is None
+    # whatever this host's range, ports come from the room below it
+    monkeypatch.setattr(kafka_module, "_below_ephemeral_ports", lambda: range(20_000, 21_000))
     for _ in range(20):
         port = free_port(2)
-        assert port >= LOWEST_FREE_PORT and port + 1 < ephemeral_from
+        assert port >= 20_000 and port + 1 < 21_000
 
 
 def write(bootstrap_servers: str, topic: str, count: int, tag: bytes) -> None:
